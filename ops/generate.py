@@ -1,0 +1,242 @@
+"""Generation with the transformers backend: our own decode loop over a HF causal LM.
+
+``generate_rollouts`` turns a shard of prompts into one rollout row per (prompt, sample):
+
+1. *Prefill once.* Each distinct shared prefix of the shard (``prefix_group`` and
+   ``prefix_len`` from ``plan_prefixes``) runs through the model once; every prompt then
+   prefills only its suffix on top of its prefix's KV cache, in one batch, and the
+   resulting cache is repeated for the prompt's n samples. Without a plan, every
+   (prompt, sample) is prefilled in full, which is what ``model.generate()`` does.
+2. *Decode.* One token per live sequence per step, temperature / top-p sampling (or
+   greedy), with the behaviour policy's log-probability of each sampled token.
+3. *Leave the batch.* A sequence that emits EOS or reaches ``max_new_tokens`` is removed
+   from the batch and from the KV cache at once, so the long tail does not pay for the
+   rows that already finished.
+
+Shapes: ``U`` unique prompts, ``B`` live sequences, ``P`` longest shared prefix of the shard,
+``S`` longest suffix. Padding sits between a row's prefix and its suffix and is masked; each
+row's position ids count only its real tokens, so the result matches unpadded generation.
+The recorded log-probabilities are of the temperature-scaled distribution before top-p, the
+quantity the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+from transformers import DynamicCache
+
+from .schema import PROMPTS, ROLLOUTS, check_columns
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # argmax decoding (evaluation); temperature then only scales logprobs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0  # prompt tokens that went through the model
+    decode_tokens: int = 0  # sampled tokens
+    decode_steps: int = 0
+    seconds: float = 0.0
+
+
+def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
+    """KV of each shared prefix, computed once: [prefix][layer] -> (k [1,H,L,D], v)."""
+    out = []
+    for prefix in prefixes:
+        if not prefix:
+            out.append([])
+            continue
+        ids = torch.tensor([prefix], device=model.device)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out.append(_layer_tensors(cache))
+    return out
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def _prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
+    """Stack each prompt's prefix KV, right-aligned to the longest prefix: a cache of
+    [U, H, P, D] per layer and its mask [U, P]."""
+    width = max(prefix_lens)
+    mask = torch.zeros((len(owner), width), dtype=torch.long, device=model.device)
+    if width == 0:
+        return DynamicCache(config=model.config), mask
+    layers = []
+    n_layers = len(next(kv for kv in prefix_kv if kv))
+    for layer in range(n_layers):
+        ref_k, ref_v = next(kv for kv in prefix_kv if kv)[layer]
+        k = ref_k.new_zeros((len(owner), ref_k.shape[1], width, ref_k.shape[3]))
+        v = ref_v.new_zeros((len(owner), ref_v.shape[1], width, ref_v.shape[3]))
+        for row, (p, length) in enumerate(zip(owner, prefix_lens)):
+            if length:
+                k[row, :, width - length :] = prefix_kv[p][layer][0][0]
+                v[row, :, width - length :] = prefix_kv[p][layer][1][0]
+        layers.append((k, v))
+    for row, length in enumerate(prefix_lens):
+        mask[row, width - length :] = 1 if length else 0
+    return DynamicCache(ddp_cache_data=layers, config=model.config), mask
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+    """logits [B, V] -> (tokens [B], logprobs [B]) under the temperature-scaled policy."""
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    if params.greedy:
+        tokens = logp.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.inference_mode()
+def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
+           eos_id: int, pad_id: int, prefix_lens: list[int] | None = None,
+           stats: GenerationStats | None = None) -> list[tuple[list[int], list[float], str]]:
+    """Generate ``n_samples`` continuations of each prompt; returns, prompt-major, one
+    ``(token ids, logprobs, finish_reason)`` per (prompt, sample). ``prefix_lens[i]`` tokens
+    of prompt i are a prefix shared with other prompts (0 = nothing shared); ``None``
+    disables every sharing, the n samples included."""
+    stats = stats if stats is not None else GenerationStats()
+    started = time.perf_counter()
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts) + params.max_new_tokens
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {limit}"
+        )
+    if prefix_lens is None:  # no sharing: every sample prefilled on its own
+        prompts = [p for p in prompts for _ in range(n_samples)]
+        repeat, prefix_lens = 1, [0] * len(prompts)
+    else:
+        repeat = n_samples
+    distinct = {tuple(p[:k]) for p, k in zip(prompts, prefix_lens) if k}
+    prefixes = sorted(distinct)
+    index = {p: i for i, p in enumerate(prefixes)}
+    owner = [index[tuple(p[:k])] if k else -1 for p, k in zip(prompts, prefix_lens)]
+    prefix_kv = _prefill_prefixes(model, [list(p) for p in prefixes])
+    cache, past_mask = _prefix_cache(model, prefix_kv, owner, prefix_lens)
+
+    suffix_ids, suffix_mask = _left_pad([p[k:] for p, k in zip(prompts, prefix_lens)], pad_id)
+    suffix_ids, suffix_mask = suffix_ids.to(model.device), suffix_mask.to(model.device)
+    offsets = torch.tensor(prefix_lens, device=model.device)[:, None]
+    positions = (offsets + suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [U, S]
+    mask = torch.cat([past_mask, suffix_mask], dim=-1)  # [U, P + S]
+    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True)
+    stats.prefill_tokens += sum(len(p) for p in prefixes) + int(suffix_mask.sum())
+    logits = out.logits[:, -1]  # [U, V]
+    next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
+    if repeat > 1:
+        cache.batch_repeat_interleave(repeat)
+        logits = logits.repeat_interleave(repeat, dim=0)
+        mask = mask.repeat_interleave(repeat, dim=0)
+        next_pos = next_pos.repeat_interleave(repeat)
+
+    n_seq = logits.shape[0]
+    tokens_out: list[list[int]] = [[] for _ in range(n_seq)]
+    logps_out: list[list[float]] = [[] for _ in range(n_seq)]
+    reasons = ["length"] * n_seq
+    live = torch.arange(n_seq, device=model.device)  # row of the batch -> sequence index
+    gen = torch.Generator(device=model.device).manual_seed(params.seed)
+    for step in range(params.max_new_tokens):
+        tokens, logps = _sample(logits, params, gen)
+        for seq, tok, lp in zip(live.tolist(), tokens.tolist(), logps.tolist()):
+            tokens_out[seq].append(tok)
+            logps_out[seq].append(lp)
+        stats.decode_tokens += len(live)
+        stats.decode_steps += 1
+        done = tokens == eos_id
+        for seq in live[done].tolist():
+            reasons[seq] = "stop"
+        if step == params.max_new_tokens - 1:
+            break
+        if done.any():  # finished sequences leave the batch and the cache
+            keep = (~done).nonzero().squeeze(-1)
+            if len(keep) == 0:
+                break
+            cache.batch_select_indices(keep)
+            live, tokens, mask, next_pos = live[keep], tokens[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        out = model(input_ids=tokens[:, None], attention_mask=mask,
+                    position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+        next_pos = next_pos + 1
+        logits = out.logits[:, -1]
+    stats.seconds += time.perf_counter() - started
+    return list(zip(tokens_out, logps_out, reasons))
+
+
+def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,
+                      params: SamplingParams, *, policy_version: int, worker: str = "local",
+                      share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+    """Rollouts (``schema.ROLLOUTS``, plus any extra prompt columns) for a shard of prompts.
+
+    Reads ``prompt_ids`` and, when ``share_prefixes``, ``prefix_len`` (absent: only the n
+    samples share their prompt). Rows come prompt-major: every sample of a prompt together.
+    """
+    check_columns(prompts, PROMPTS, "generate_rollouts")
+    stats = GenerationStats()
+    ids = prompts.column("prompt_ids").to_pylist()
+    if not share_prefixes:
+        prefix_lens = None
+    elif "prefix_len" in prompts.column_names:
+        prefix_lens = prompts.column("prefix_len").to_pylist()
+    else:
+        prefix_lens = [0] * len(ids)
+    start = time.time()
+    results = decode(model, ids, n_samples, params, tokenizer.eos_token_id,
+                     tokenizer.pad_token_id, prefix_lens, stats) if ids else []
+    end = time.time()
+    rows = prompts.take([i for i in range(len(ids)) for _ in range(n_samples)])
+    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True)
+    n = len(results)
+    added = {
+        "sample_idx": pa.array([s for _ in ids for s in range(n_samples)], pa.int32()),
+        "response_ids": pa.array([r[0] for r in results], pa.list_(pa.int32())),
+        "response_text": pa.array(texts, pa.string()),
+        "logprobs": pa.array([r[1] for r in results], pa.list_(pa.float32())),
+        "finish_reason": pa.array([r[2] for r in results], pa.string()),
+        "policy_version": pa.array([policy_version] * n, pa.int64()),
+        "worker": pa.array([worker] * n, pa.string()),
+        "gen_start": pa.array([start] * n, pa.float64()),
+        "gen_end": pa.array([end] * n, pa.float64()),
+    }
+    for name, column in added.items():
+        rows = rows.append_column(ROLLOUTS.field(name), column)
+    return rows, stats

@@ -1,0 +1,85 @@
+"""Arrow schemas of the tables that flow between stages.
+
+Every stage takes and returns ``pyarrow.Table``s. A stage adds columns; it never
+drops the ones it was given, so the rollout log of an iteration carries the whole
+history of each sample.
+
+    prompts   --prefix_dedup/shard-->  prompts (+ prefix_group)
+    prompts   --generate-->            rollouts   (one row per (prompt, sample))
+    rollouts  --reward-->              scored     (+ reward, reward_error)
+    scored    --advantage-->           trainable  (+ advantage)
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+PROMPTS = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),  # tokenised prompt
+        pa.field("answer", pa.string()),  # ground truth; null when the reward needs none
+        pa.field("data_source", pa.string()),  # routes to a reward function
+    ]
+)
+
+ROLLOUTS = pa.schema(
+    list(PROMPTS)
+    + [
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_text", pa.string(), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # behaviour policy
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("gen_start", pa.float64(), nullable=False),  # unix seconds
+        pa.field("gen_end", pa.float64(), nullable=False),
+    ]
+)
+
+SCORED = pa.schema(
+    list(ROLLOUTS)
+    + [
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("reward_error", pa.string()),  # null when the reward function succeeded
+    ]
+)
+
+TRAINABLE = pa.schema(list(SCORED) + [pa.field("advantage", pa.float32(), nullable=False)])
+
+FINISH_REASONS = ("stop", "length")
+
+
+def check_columns(table: pa.Table, schema: pa.Schema, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` if ``table`` lacks a column of ``schema``
+    or holds it with another type."""
+    for field in schema:
+        if field.name not in table.column_names:
+            raise ValueError(
+                f"{where}: missing column {field.name!r}; expected columns {schema.names}"
+            )
+        got = table.schema.field(field.name).type
+        if got != field.type:
+            raise ValueError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+
+
+def conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    """Cast ``table``'s columns of ``schema`` to their declared types, keeping extra
+    columns after them; a clear ``ValueError`` if a column is missing or will not cast."""
+    columns, fields = [], []
+    for field in schema:
+        if field.name not in table.column_names:
+            raise ValueError(
+                f"{where}: missing column {field.name!r}; expected columns {schema.names}"
+            )
+        try:
+            columns.append(table.column(field.name).cast(field.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+            raise ValueError(f"{where}: column {field.name!r} cannot be {field.type}: {err}") from err
+        fields.append(field)
+    for name in table.column_names:
+        if name not in schema.names:
+            columns.append(table.column(name))
+            fields.append(table.schema.field(name))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))

@@ -1,0 +1,271 @@
+"""Cut-and-migrate of straggling sequences inside an iteration (RLHFless, with PAT's trade-off).
+
+Generation runs in chunks. Between chunks each worker reports its progress; once a worker has
+finished a fraction ``tau`` of its sequences, its unfinished tail may be cut and continued on
+other workers. Moving is not free: the receiving engine has no KV cache for those sequences,
+so it recomputes their prefix (prompt + tokens generated so far) at its prefill rate, then
+decodes the rest inside its own, now larger, batch. For each source ``plan_migration`` scores
+
+- *stay*: nothing moves;
+- *move to one worker*, for every worker with room for the whole tail (the RLHFless case:
+  consolidate a tail into a worker that is still decoding, release the source: cheaper);
+- *spread over the m least-loaded workers*, m = 2..``MAX_SPREAD`` (the PAT case: a big tail
+  decoded in several smaller batches: faster), dealt longest-first to whichever target would
+  then finish first.
+
+Every option has a time (when the last of all listed workers finishes) and a cost (the sum of
+their remaining busy seconds, i.e. worker-seconds still to bill); the score is the one of
+``scaling.py``, ``lam * T / min T + (1 - lam) * C / min C`` over the options, and the lowest
+wins; ties stay. A worker that receives sequences is not a source later in the same plan and a
+source that moved is not a target, so no sequence moves twice. Sources are visited smallest
+remaining time first, so small tails consolidate into bigger ones.
+
+Simplifications: only recomputation (no KV transfer); targets are warm; the time to cut and
+ship token ids is ignored; step time is the throughput model's, on every worker alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .throughput import ThroughputModel
+
+MAX_SPREAD = 8  # most targets one source's tail is spread over
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerProgress:
+    """What one generation worker reports between chunks.
+
+    ``seq_ids``, ``current_lengths`` (prompt + generated tokens so far) and
+    ``remaining_tokens`` (predicted tokens still to decode) describe its *unfinished*
+    sequences, queued ones included; ``n_finished + len(seq_ids) == n_assigned``. ``busy``
+    says whether it is running a generation chunk; a worker with nothing assigned is idle.
+    """
+
+    n_assigned: int
+    n_finished: int
+    seq_ids: Sequence[str] = ()
+    current_lengths: np.ndarray | Sequence[int] = ()
+    remaining_tokens: np.ndarray | Sequence[float] = ()
+    busy: bool = True
+
+    def __post_init__(self) -> None:
+        cur = np.asarray(self.current_lengths, dtype=np.float64).reshape(-1)
+        rem = np.asarray(self.remaining_tokens, dtype=np.float64).reshape(-1)
+        ids = tuple(str(s) for s in self.seq_ids)
+        if not (len(ids) == cur.size == rem.size):
+            raise ValueError(
+                f"WorkerProgress: {len(ids)} seq_ids, {cur.size} current_lengths and "
+                f"{rem.size} remaining_tokens; give one of each per unfinished sequence"
+            )
+        if self.n_finished < 0 or self.n_finished + len(ids) != self.n_assigned:
+            raise ValueError(
+                f"WorkerProgress: n_finished={self.n_finished} + {len(ids)} unfinished != "
+                f"n_assigned={self.n_assigned}; every assigned sequence is finished or listed"
+            )
+        for name, arr in (("current_lengths", cur), ("remaining_tokens", rem)):
+            if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0):
+                raise ValueError(f"WorkerProgress: {name} must be finite and >= 0, got {arr}")
+        object.__setattr__(self, "seq_ids", ids)
+        object.__setattr__(self, "current_lengths", cur)
+        object.__setattr__(self, "remaining_tokens", rem)
+
+    @property
+    def completion_fraction(self) -> float:
+        """Finished / assigned; 1.0 for a worker with nothing assigned."""
+        return 1.0 if self.n_assigned == 0 else self.n_finished / self.n_assigned
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One planned move of sequences from ``source`` to ``target``."""
+
+    source: str
+    target: str
+    seq_ids: tuple[str, ...]
+    recompute_tokens: int  # prefix tokens the target prefills again
+    completion_fraction: float  # of the source when the plan was made
+    stay_seconds: float  # predicted time if the source's tail stays
+    move_seconds: float  # predicted time with the chosen move
+    stay_cost_ws: float
+    move_cost_ws: float
+    reason: str
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON-able record for the run directory's decision log."""
+        record = dict(self.__dict__)
+        record["seq_ids"] = list(self.seq_ids)
+        return record
+
+
+class _Fleet:
+    """Remaining work of every worker while a plan is built; index i is ``names[i]``."""
+
+    def __init__(self, progress: Mapping[str, WorkerProgress], model: ThroughputModel) -> None:
+        self.model = model
+        self.names = list(progress)
+        rems = [p.remaining_tokens for p in progress.values()]
+        self.mx = np.array([r.max(initial=0.0) for r in rems])  # longest remaining tail
+        self.tot = np.array([r.sum() for r in rems])  # remaining decode tokens
+        self.pre = np.zeros(len(rems))  # prefix tokens received, to recompute
+        self.live = np.array([r.size for r in rems], dtype=np.int64)
+        self.busy = np.array([p.busy for p in progress.values()])
+        self.finish = self.seconds(self.mx, self.tot, self.pre, self.live)
+
+    def seconds(
+        self, mx: np.ndarray, tot: np.ndarray, pre: np.ndarray, live: np.ndarray
+    ) -> np.ndarray:
+        """Seconds until a worker with these totals is done (0 when it has nothing)."""
+        t = self.model.prefill_seconds(pre) + self.model.decode_seconds(mx, tot)
+        return np.where((live > 0) | (pre > 0), t, 0.0)
+
+    def max_without(self, exclude: Sequence[int]) -> float:
+        f = self.finish.copy()
+        f[list(exclude)] = 0.0
+        return float(f.max(initial=0.0))
+
+
+def _spread(
+    fleet: _Fleet, targets: np.ndarray, rem: np.ndarray, cur: np.ndarray
+) -> tuple[list[list[int]], np.ndarray] | None:
+    """Deal a tail longest-first, each sequence to the target that would then finish first.
+
+    Returns the sequence positions per target and each target's new finish seconds, or None
+    when the targets' free slots cannot hold the tail."""
+    a, c = fleet.model.step_intercept_s, fleet.model.step_slope_s
+    rate, cap = fleet.model.prefill_tokens_per_s, fleet.model.max_batch
+    mx, tot = fleet.mx[targets].tolist(), fleet.tot[targets].tolist()
+    pre, live = fleet.pre[targets].tolist(), fleet.live[targets].tolist()
+    picks: list[list[int]] = [[] for _ in targets]
+    for j in np.argsort(-rem, kind="stable").tolist():
+        best, best_t = -1, np.inf
+        for i in range(len(targets)):
+            if cap is not None and live[i] >= cap:
+                continue
+            m, t_tok = max(mx[i], rem[j]), tot[i] + rem[j]
+            steps = m if cap is None else max(m, t_tok / cap)
+            t = (pre[i] + cur[j]) / rate + a * steps + c * t_tok
+            if t < best_t:
+                best, best_t = i, t
+        if best < 0:
+            return None
+        picks[best].append(j)
+        mx[best], tot[best] = max(mx[best], rem[j]), tot[best] + rem[j]
+        pre[best] += cur[j]
+        live[best] += 1
+    new = fleet.seconds(np.array(mx), np.array(tot), np.array(pre), np.array(live))
+    return picks, new
+
+
+def _score(t: float, c: float, t_min: float, c_min: float, lam: float) -> float:
+    """``lam * t / t_min + (1 - lam) * c / c_min``, a zero minimum counting as ratio 1."""
+    tn = t / t_min if t_min > 0 else 1.0
+    cn = c / c_min if c_min > 0 else 1.0
+    return lam * tn + (1.0 - lam) * cn
+
+
+def plan_migration(
+    worker_progress: Mapping[str, WorkerProgress],
+    tau: float,
+    model: ThroughputModel,
+    *,
+    lambda_cost: float = 0.5,
+) -> list[Migration]:
+    """Plan which unfinished sequences to cut and where to continue them; pure.
+
+    Called between generation chunks with the progress of every generation worker (idle ones
+    included: they are candidate targets). Only workers whose completion fraction is ``>=
+    tau`` and that still have unfinished sequences are sources; a source's whole tail moves
+    or none of it does. Times and costs are over all listed workers: time is the last one to
+    finish, cost the sum of their remaining busy seconds. Returns one ``Migration`` per
+    (source, target) pair in planning order; an empty list means everything stays.
+    """
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"plan_migration: tau={tau!r}; allowed: 0 < tau <= 1")
+    if not 0.0 <= lambda_cost <= 1.0:
+        raise ValueError(f"plan_migration: lambda_cost={lambda_cost!r}; allowed: [0, 1]")
+    fleet = _Fleet(worker_progress, model)
+    progress = list(worker_progress.values())
+    sources = [i for i, p in enumerate(progress) if p.seq_ids and p.completion_fraction >= tau]
+    sources.sort(key=lambda i: (fleet.finish[i], fleet.names[i]))
+    cap = model.max_batch
+    sinks: set[int] = set()
+    emptied = np.zeros(len(progress), dtype=bool)
+    plan: list[Migration] = []
+    for src in sources:
+        if src in sinks:
+            continue
+        prog = progress[src]
+        rem, cur = prog.remaining_tokens, prog.current_lengths
+        eligible = ~emptied
+        eligible[src] = False
+        stay_t, stay_c = float(fleet.finish.max()), float(fleet.finish.sum())
+        # options: (time, cost, target indices, sequence positions per target, new finishes)
+        options: list[tuple[float, float, np.ndarray, list[list[int]], np.ndarray]] = []
+        # one target: every eligible worker with room for the whole tail, all at once
+        one = np.flatnonzero(eligible & (True if cap is None else fleet.live + rem.size <= cap))
+        if one.size:
+            new = fleet.seconds(
+                np.maximum(fleet.mx[one], rem.max()), fleet.tot[one] + rem.sum(),
+                fleet.pre[one] + cur.sum(), fleet.live[one] + rem.size,
+            )
+            rest = np.zeros(one.size)  # max finish over the others: first of the top 3 not used
+            for top in np.argsort(-fleet.finish)[:3][::-1]:
+                rest = np.where((top != src) & (top != one), fleet.finish[top], rest)
+            whole = [list(range(rem.size))]
+            for j, n_t, r in zip(one.tolist(), new.tolist(), rest.tolist(), strict=True):
+                cost = stay_c - fleet.finish[src] - fleet.finish[j] + n_t
+                options.append((max(n_t, r), float(cost), np.array([j]), whole, np.array([n_t])))
+        # spread over the m least-loaded workers with a free slot
+        room = np.flatnonzero(eligible & (True if cap is None else fleet.live < cap))
+        room = room[np.lexsort((fleet.busy[room], fleet.finish[room]))][:MAX_SPREAD]
+        for m in range(2, min(room.size, rem.size) + 1):
+            spread = _spread(fleet, room[:m], rem, cur)
+            if spread is None:
+                continue
+            picks, new = spread
+            t = max(float(new.max()), fleet.max_without([src, *room[:m].tolist()]))
+            c = stay_c - fleet.finish[src] - fleet.finish[room[:m]].sum() + new.sum()
+            options.append((t, float(c), room[:m], picks, new))
+        if not options:
+            continue
+        t_min = min(stay_t, *(o[0] for o in options))
+        c_min = min(stay_c, *(o[1] for o in options))
+
+        scores = [_score(o[0], o[1], t_min, c_min, lambda_cost) for o in options]
+        best = int(np.argmin(scores))
+        stay_score = _score(stay_t, stay_c, t_min, c_min, lambda_cost)
+        if scores[best] >= stay_score:
+            continue
+        move_t, move_c, targets, picks, new = options[best]
+        why = (
+            f"completion {prog.completion_fraction:.2f} >= tau {tau:.2f}; moving to "
+            f"{targets.size} worker(s) scores {scores[best]:.4f} < stay {stay_score:.4f} "
+            f"at lambda {lambda_cost:.2f}"
+        )
+        for tgt, idx, n_t in zip(targets.tolist(), picks, new, strict=True):
+            if not idx:
+                continue
+            fleet.mx[tgt] = max(fleet.mx[tgt], rem[idx].max())
+            fleet.tot[tgt] += rem[idx].sum()
+            fleet.pre[tgt] += cur[idx].sum()
+            fleet.live[tgt] += len(idx)
+            fleet.finish[tgt] = n_t
+            sinks.add(tgt)
+            plan.append(Migration(
+                source=fleet.names[src], target=fleet.names[tgt],
+                seq_ids=tuple(prog.seq_ids[i] for i in idx),
+                recompute_tokens=int(cur[idx].sum()),
+                completion_fraction=prog.completion_fraction,
+                stay_seconds=stay_t, move_seconds=float(move_t),
+                stay_cost_ws=stay_c, move_cost_ws=float(move_c), reason=why,
+            ))
+        fleet.mx[src] = fleet.tot[src] = fleet.pre[src] = fleet.finish[src] = 0.0
+        fleet.live[src] = 0
+        emptied[src] = True
+    return plan
