@@ -22,6 +22,7 @@ quantity the trainer recomputes.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -57,6 +58,13 @@ class GenerationStats:
     seconds: float = 0.0
 
 
+def _forward(model, cache: DynamicCache, **inputs):
+    """``model(**inputs)`` appending to ``cache``; transformers >= 5.24 names the argument
+    ``cache``, earlier releases ``past_key_values``."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(**inputs, use_cache=True, **{name: cache})
+
+
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -70,7 +78,7 @@ def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
             continue
         ids = torch.tensor([prefix], device=model.device)
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        _forward(model, cache, input_ids=ids)
         out.append(_layer_tensors(cache))
     return out
 
@@ -158,8 +166,8 @@ def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingPara
     offsets = torch.tensor(prefix_lens, device=model.device)[:, None]
     positions = (offsets + suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [U, S]
     mask = torch.cat([past_mask, suffix_mask], dim=-1)  # [U, P + S]
-    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True)
+    out = _forward(model, cache, input_ids=suffix_ids, attention_mask=mask,
+                   position_ids=positions)
     stats.prefill_tokens += sum(len(p) for p in prefixes) + int(suffix_mask.sum())
     logits = out.logits[:, -1]  # [U, V]
     next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
@@ -194,8 +202,8 @@ def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingPara
             cache.batch_select_indices(keep)
             live, tokens, mask, next_pos = live[keep], tokens[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask,
-                    position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+        out = _forward(model, cache, input_ids=tokens[:, None], attention_mask=mask,
+                       position_ids=next_pos[:, None])
         next_pos = next_pos + 1
         logits = out.logits[:, -1]
     stats.seconds += time.perf_counter() - started
@@ -223,7 +231,9 @@ def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,
     results = decode(model, ids, n_samples, params, tokenizer.eos_token_id,
                      tokenizer.pad_token_id, prefix_lens, stats) if ids else []
     end = time.time()
-    rows = prompts.take([i for i in range(len(ids)) for _ in range(n_samples)])
+    # typed indices: an empty Python list would infer a null type that take() rejects
+    order = pa.array([i for i in range(len(ids)) for _ in range(n_samples)], pa.int64())
+    rows = prompts.take(order)
     texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True)
     n = len(results)
     added = {

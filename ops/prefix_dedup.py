@@ -63,10 +63,11 @@ def plan_prefixes(prompts: pa.Table, n_samples: int, min_prefix: int = 4) -> Pre
 
     def close_run() -> None:
         nonlocal next_group
-        shared = run_prefix if len(run) > 1 else 0
+        # one prefix per group, short enough that every member keeps a suffix token
+        shared = min(run_prefix, *(len(ids[i]) - 1 for i in run)) if len(run) > 1 else 0
         for i in run:
             group[i] = next_group
-            prefix_len[i] = min(shared, len(ids[i]) - 1)
+            prefix_len[i] = shared
         next_group += 1
 
     for i in order:
@@ -82,8 +83,9 @@ def plan_prefixes(prompts: pa.Table, n_samples: int, min_prefix: int = 4) -> Pre
         close_run()
 
     naive = n_samples * sum(len(s) for s in ids)
-    distinct_prefixes = {(g, p) for g, p in zip(group, prefix_len)}  # each prefilled once
-    planned = sum(p for _, p in distinct_prefixes)
+    # each distinct prefix is prefilled once, as generation dedups them by their tokens
+    distinct_prefixes = {tuple(s[:p]) for s, p in zip(ids, prefix_len)}
+    planned = sum(len(p) for p in distinct_prefixes)
     planned += sum(len(s) - p for s, p in zip(ids, prefix_len))
     table = prompts.append_column(
         pa.field("prefix_group", pa.int32(), nullable=False), pa.array(group, pa.int32())

@@ -61,7 +61,9 @@ def check_columns(table: pa.Table, schema: pa.Schema, where: str) -> None:
             )
         got = table.schema.field(field.name).type
         if got != field.type:
-            raise ValueError(f"{where}: column {field.name!r} has type {got}, expected {field.type}")
+            raise ValueError(
+                f"{where}: column {field.name!r} has type {got}, expected {field.type}"
+            )
 
 
 def conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
@@ -76,7 +78,9 @@ def conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
         try:
             columns.append(table.column(field.name).cast(field.type))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
-            raise ValueError(f"{where}: column {field.name!r} cannot be {field.type}: {err}") from err
+            raise ValueError(
+                f"{where}: column {field.name!r} cannot be {field.type}: {err}"
+            ) from err
         fields.append(field)
     for name in table.column_names:
         if name not in schema.names:

@@ -1,0 +1,77 @@
+"""Publish and fetch policy weights by integer version.
+
+The trainer publishes each new version as one safetensors file in the run's weight store
+(``<store>/v<version>.safetensors``), written to a temporary name and renamed, so a reader
+never sees half a file. A generation worker compares its engine's version with the version
+its task needs and fetches the newer weights before generating; in synchronous mode that
+makes generating from stale weights impossible (``require_version``).
+
+Files rather than scatter: they work unchanged on a laptop and on an HPC shared file system,
+and a worker that joins late (elastic scale-up) finds every version where it expects it.
+Only the ``keep`` newest versions stay on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Where version ``version`` of the policy lives; small enough to travel in a graph."""
+
+    version: int
+    path: str  # a safetensors file, or a Hugging Face model directory for version 0
+
+
+def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
+                    keep: int = 2) -> WeightsRef:
+    if keep < 1:
+        raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    final = store / f"v{version}.safetensors"
+    tmp = store / f".v{version}.{os.getpid()}.tmp"
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # tied embeddings share storage; safetensors stores one of them
+    seen: dict[int, str] = {}
+    for name in list(state):
+        ptr = state[name].data_ptr()
+        if ptr in seen:
+            del state[name]
+        else:
+            seen[ptr] = name
+    save_file(state, str(tmp), metadata={"version": str(version)})
+    os.replace(tmp, final)
+    for old in sorted(store.glob("v*.safetensors"), key=_version_of)[:-keep]:
+        old.unlink(missing_ok=True)
+    return WeightsRef(version, str(final))
+
+
+def _version_of(path: Path) -> int:
+    return int(path.stem[1:])
+
+
+def load_weights(model: torch.nn.Module, ref: WeightsRef) -> None:
+    """Copy the weights of ``ref`` into ``model`` in place (a directory ref is version 0,
+    already loaded with the model)."""
+    if Path(ref.path).is_dir():
+        return
+    state = load_file(ref.path, device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
+    if unexpected or set(missing) - tied:
+        raise ValueError(
+            f"weights {ref.path}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
+
+
+def require_version(have: int, need: int, where: str) -> None:
+    """Synchronous mode: a worker may only generate from exactly the version asked for."""
+    if have != need:
+        raise RuntimeError(f"{where}: engine holds policy v{have} but the task needs v{need}")

@@ -1,0 +1,160 @@
+"""The run configuration: one flat dataclass, read from TOML, overridable per key.
+
+``load_config("run.toml", ["lr=3e-4", "n_samples=16"])`` gives a validated ``Config``; a bad
+key or value raises ``ConfigError`` with one line that names it and what is allowed.
+Override values are parsed as TOML (``3e-4``, ``true``, ``"text"``, ``[1, 2]``), falling back
+to a bare string. The ``[rewards]`` table maps a ``data_source`` to a built-in verifier
+(``math``, ``exact``) or to a user function ``"package.module:function"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+CHOICES = {
+    "algorithm": ("grpo", "rloo"),
+    "mode": ("sync",),
+    "policy": ("static",),
+    "backend": ("hf",),
+    "cluster": ("local",),
+    "device": ("auto", "cpu", "cuda"),
+    "on_bad_row": ("error", "skip"),
+    "on_long_prompt": ("error", "truncate", "skip"),
+}
+
+
+class ConfigError(ValueError):
+    """A bad key or value in the configuration; the message is one actionable line."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # run
+    name: str = "tiny"  # runs/<name>/ holds everything the run writes
+    runs_dir: str = "runs"
+    seed: int = 0
+    iterations: int = 30
+    # model and data ("tiny": the embedded default, built locally on first use)
+    model: str = "tiny"  # "tiny" or a Hugging Face model directory
+    dataset: str = ""  # prompts for RL; empty: the tiny task's train split
+    heldout: str = ""  # prompts for evaluation; empty: the tiny task's held-out split
+    heldout_prompts: int = 256  # evaluate on the first N held-out prompts
+    eval_every: int = 5  # iterations between held-out evaluations (and after the last)
+    max_prompt_tokens: int = 192
+    on_bad_row: str = "error"
+    on_long_prompt: str = "skip"
+    # algorithm
+    algorithm: str = "grpo"
+    batch_prompts: int = 32  # prompts per iteration
+    n_samples: int = 8  # responses per prompt (the group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 2e-3
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    epochs: int = 1  # optimizer steps per batch
+    micro_batch_tokens: int = 8192
+    max_grad_norm: float = 1.0
+    rewards: dict[str, str] = field(default_factory=lambda: {"tally": "exact"})
+    default_reward: str = "math"
+    reward_timeout_s: float = 5.0
+    reward_fallback: float = 0.0
+    share_prefixes: bool = True
+    min_prefix: int = 4  # shortest token prefix worth sharing across prompts
+    # execution
+    mode: str = "sync"
+    policy: str = "static"
+    backend: str = "hf"
+    cluster: str = "local"
+    device: str = "auto"
+    gen_workers: int = 2  # generation pool size (resource GEN=1 each)
+    gen_threads: int = 1  # torch threads per generation worker
+    train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
+    worker_memory: str = "4GiB"
+    scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
+    dashboard_address: str = "127.0.0.1:0"
+
+    def __post_init__(self) -> None:
+        for key, allowed in CHOICES.items():
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
+        positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
+                    "gen_threads", "train_threads", "epochs", "micro_batch_tokens",
+                    "heldout_prompts", "eval_every", "max_prompt_tokens")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
+        for key in ("temperature", "lr", "reward_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
+        if self.kl_coef < 0 or self.clip_eps <= 0:
+            raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
+        if self.algorithm == "rloo" and self.n_samples < 2:
+            raise ConfigError("n_samples must be >= 2 for algorithm = 'rloo'")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = {"str": str, "int": int, "float": float, "bool": bool}.get(getattr(kind, "__name__", ""))
+    if expected is not None:
+        if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
+            raise ConfigError(f"{key} = {value!r} must be of type {expected.__name__}")
+        return value
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ConfigError(f"{key} = {value!r} must be a table of strings")
+    return value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw
+
+
+def make_config(values: dict[str, Any]) -> Config:
+    """A ``Config`` from plain values; unknown keys and wrong types are ``ConfigError``s."""
+    hints = get_type_hints(Config)
+    known = {f.name for f in dataclasses.fields(Config)}
+    checked = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
+        kind = hints[key]
+        checked[key] = _coerce(key, value, dict if "dict" in str(kind) else kind)
+    return Config(**checked)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read ``path`` (TOML, optional) and apply ``key=value`` overrides on top of it."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file {path} does not exist") from err
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path}: {err}") from err
+    for item in overrides:
+        key, value = _parse_override(item)
+        values[key] = value
+    return make_config(values)

@@ -1,0 +1,88 @@
+"""One RL iteration as a Dask task graph.
+
+    dedup ─ shard ─┬─ generate[0] ─ reward[0] ─ advantage[0] ─┐
+                   ├─ generate[1] ─ reward[1] ─ advantage[1] ─┼─ update ─ publish
+                   └─ ...                                      ┘
+
+Keys are ``<stage>-<iteration>[-<shard>]``, so ``dask.utils.key_split`` recovers the stage
+for timings and for colouring the rendered graph. ``generate`` needs a ``GEN`` worker,
+``update`` and ``publish`` the ``TRAIN`` worker (Dask resources, set by annotation); dedup,
+shard, reward and advantage run wherever there is room. Groups never straddle shards, so
+advantages are computed per shard, as soon as that shard is scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dask
+import pyarrow as pa
+from dask.delayed import Delayed, delayed
+
+from rlhfless.ops.prefix_dedup import PrefixPlan, plan_prefixes
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.shard import split_balanced
+
+from .workers import (
+    GenSpec,
+    RewardSpec,
+    TrainSpec,
+    advantage_task,
+    generate_task,
+    publish_task,
+    reward_task,
+    update_task,
+)
+
+STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
+
+
+@dataclass(frozen=True)
+class IterationGraph:
+    plan: Delayed  # PrefixPlan
+    trainables: list[Delayed]  # one table per shard
+    metrics: Delayed  # dict from the update
+    weights: Delayed  # WeightsRef of the new version
+
+    def outputs(self) -> list[Delayed]:
+        return [self.plan, *self.trainables, self.metrics, self.weights]
+
+
+def _shard_plan(plan: PrefixPlan, n_shards: int) -> list[pa.Table]:
+    return split_balanced(plan.prompts, n_shards)
+
+
+def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
+                  gen: GenSpec, reward: RewardSpec, *, seed: int, min_prefix: int,
+                  tag: str = "") -> tuple[Delayed, list[Delayed]]:
+    """dedup → shard → generate → reward for ``prompts``; returns (plan, scored shards)."""
+    it = f"{tag}{iteration}"
+    plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
+                                  dask_key_name=f"{tag}dedup-{it}")
+    shards = delayed(_shard_plan, nout=n_shards)(plan, n_shards, dask_key_name=f"{tag}shard-{it}")
+    scored = []
+    for i in range(n_shards):
+        with dask.annotate(resources={"GEN": 1}):
+            rollouts = delayed(generate_task)(shards[i], weights, gen, seed * 100_003 + i,
+                                              dask_key_name=f"{tag}generate-{it}-{i}")
+        scored.append(delayed(reward_task)(rollouts, reward, dask_key_name=f"{tag}reward-{it}-{i}"))
+    return plan, scored
+
+
+def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
+                    gen: GenSpec, reward: RewardSpec, train: TrainSpec, *, algorithm: str,
+                    seed: int, min_prefix: int) -> IterationGraph:
+    """The graph of one synchronous iteration, producing version ``weights.version + 1``."""
+    plan, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
+                                 seed=seed, min_prefix=min_prefix)
+    trainables = [
+        delayed(advantage_task)(s, algorithm, gen.n_samples,
+                                dask_key_name=f"advantage-{iteration}-{i}")
+        for i, s in enumerate(scored)
+    ]
+    with dask.annotate(resources={"TRAIN": 1}):
+        metrics = delayed(update_task)(trainables, weights, train,
+                                       dask_key_name=f"update-{iteration}")
+        new_weights = delayed(publish_task)(metrics, train, weights.version + 1,
+                                            dask_key_name=f"publish-{iteration}")
+    return IterationGraph(plan, trainables, metrics, new_weights)

@@ -1,0 +1,60 @@
+"""Per-iteration metrics, computed from the tables and task timings an iteration produced.
+
+Stage seconds come from Dask's own task stream (each task's compute start and stop on its
+worker), grouped by the stage name in the key (``generate-3-1`` → ``generate``): ``wall`` is
+first start to last stop, ``busy`` the sum over that stage's tasks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+from dask.utils import key_split
+
+from rlhfless.ops.advantage import advantage_summary
+from rlhfless.ops.reward import reward_summary
+
+
+def rollout_metrics(scored: pa.Table) -> dict:
+    """Reward and response-length statistics of a scored (or trainable) table."""
+    lengths = np.array([len(r) for r in scored.column("response_ids").to_pylist()], float)
+    out = reward_summary(scored)
+    if len(lengths):
+        mean = float(lengths.mean())
+        out |= {
+            "response_len_mean": mean,
+            "response_len_p50": float(np.percentile(lengths, 50)),
+            "response_len_p90": float(np.percentile(lengths, 90)),
+            "response_len_max": float(lengths.max()),
+            "response_len_cv": float(lengths.std() / mean) if mean else 0.0,
+            "finished_frac": float(np.mean(
+                np.array(scored.column("finish_reason").to_pylist()) == "stop")),
+        }
+    if "advantage" in scored.column_names:
+        out |= advantage_summary(scored)
+    return out
+
+
+def generation_metrics(tables: list[pa.Table]) -> dict:
+    """Sums of the statistics each generate task left in its table's schema metadata."""
+    totals: dict[str, float] = defaultdict(float)
+    for table in tables:
+        for key, value in (table.schema.metadata or {}).items():
+            totals[key.decode()] += float(value)
+    return dict(totals)
+
+
+def stage_seconds(task_stream: list[dict]) -> dict:
+    """``{"<stage>_wall_s": ..., "<stage>_busy_s": ...}`` from ``get_task_stream`` records."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for task in task_stream:
+        for ss in task.get("startstops", ()):
+            if ss.get("action") == "compute":
+                spans[key_split(task["key"])].append((ss["start"], ss["stop"]))
+    out = {}
+    for stage, intervals in sorted(spans.items()):
+        out[f"{stage}_wall_s"] = max(b for _, b in intervals) - min(a for a, _ in intervals)
+        out[f"{stage}_busy_s"] = sum(b - a for a, b in intervals)
+    return out

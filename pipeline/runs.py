@@ -1,0 +1,68 @@
+"""The run directory: everything a run writes lives under ``runs/<name>/``.
+
+    config.json          the resolved configuration
+    metrics.jsonl        one JSON object per iteration (and per held-out evaluation)
+    rollouts/iter-N.parquet   every sample of iteration N
+    weights/vN.safetensors    the newest published policy versions
+
+Files are written to a temporary name and renamed into place, so a reader never mistakes
+a partial file for a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import Config
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, cfg: Config, overwrite: bool = False) -> RunDir:
+        path = cfg.run_dir
+        if path.exists() and any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(
+                    f"run directory {path} exists; choose another name (--set name=...) "
+                    "or pass --overwrite"
+                )
+            shutil.rmtree(path)
+        (path / "rollouts").mkdir(parents=True, exist_ok=True)
+        run = cls(path)
+        run.write_json("config.json", cfg.to_dict())
+        return run
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights"
+
+    def write_json(self, name: str, obj) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, self.path / name)
+
+    def append_metrics(self, record: dict) -> None:
+        with (self.path / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def metrics(self) -> list[dict]:
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def write_rollouts(self, iteration: int, table: pa.Table) -> Path:
+        final = self.path / "rollouts" / f"iter-{iteration:05d}.parquet"
+        tmp = final.with_suffix(".tmp")
+        pq.write_table(table.replace_schema_metadata(None), tmp)
+        os.replace(tmp, final)
+        return final

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from rlhfless.pipeline.config import Config, ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('name = "exp"\nlr = 0.0003\n[rewards]\nmath500 = "math"\n')
+    cfg = load_config(path, ["n_samples=4", "temperature=0.7", 'algorithm="rloo"', "lr=1"])
+    assert (cfg.name, cfg.n_samples, cfg.temperature, cfg.algorithm) == ("exp", 4, 0.7, "rloo")
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # an int where a float is expected
+    assert cfg.rewards == {"math500": "math"}
+    assert load_config(None, ["algorithm=grpo"]).algorithm == "grpo"  # bare string accepted
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("n_sample=4", ["unknown config key 'n_sample'", "n_samples"]),
+        ("algorithm=ppo", ["algorithm", "'ppo'", "grpo", "rloo"]),
+        ("n_samples=0", ["n_samples", ">= 1"]),
+        ("n_samples=two", ["n_samples", "must be of type int"]),
+        ("top_p=1.5", ["top_p"]),
+        ("share_prefixes=1", ["share_prefixes", "bool"]),
+        ("lr", ["expected key=value"]),
+    ],
+)
+def test_bad_key_or_value_is_one_clear_line(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("lr = = 3")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+
+
+def test_rloo_needs_two_samples():
+    with pytest.raises(ConfigError, match="rloo"):
+        Config(algorithm="rloo", n_samples=1)
