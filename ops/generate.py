@@ -53,9 +53,14 @@ class SamplingParams:
 @dataclass
 class GenerationStats:
     prefill_tokens: int = 0  # prompt tokens that went through the model
-    decode_tokens: int = 0  # sampled tokens
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0  # sampled tokens (sum over steps of the live batch size)
     decode_steps: int = 0
-    seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
 
 
 def _forward(model, cache: DynamicCache, **inputs):
@@ -133,22 +138,59 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-@torch.inference_mode()
-def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
-           eos_id: int, pad_id: int, prefix_lens: list[int] | None = None,
-           stats: GenerationStats | None = None) -> list[tuple[list[int], list[float], str]]:
-    """Generate ``n_samples`` continuations of each prompt; returns, prompt-major, one
-    ``(token ids, logprobs, finish_reason)`` per (prompt, sample). ``prefix_lens[i]`` tokens
-    of prompt i are a prefix shared with other prompts (0 = nothing shared); ``None``
-    disables every sharing, the n samples included."""
-    stats = stats if stats is not None else GenerationStats()
-    started = time.perf_counter()
+@dataclass
+class Decoding:
+    """A batch being decoded; ``live`` rows map to sequence indices. It can stop part-way
+    (``run_decoding(until_finished=...)``) and be resumed, or its unfinished sequences can be
+    handed to another worker, which recomputes their prefix (``prefill_continuations``)."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # [B, V] next-token logits of the live rows
+    mask: torch.Tensor  # [B, T] attention mask over the cache
+    next_pos: torch.Tensor  # [B] position id of the next token
+    live: torch.Tensor  # [B] sequence index of each live row
+    budget: torch.Tensor  # [B] tokens each live row may still generate
+    tokens: list[list[int]]  # per sequence: generated ids so far
+    logprobs: list[list[float]]
+    reasons: list[str]  # per sequence: "stop" | "length" (final once it left the batch)
+    gen: torch.Generator
+
+    @property
+    def finished_fraction(self) -> float:
+        return 1.0 - len(self.live) / max(1, len(self.tokens))
+
+    def results(self) -> list[tuple[list[int], list[float], str]]:
+        return list(zip(self.tokens, self.logprobs, self.reasons))
+
+
+def _check_context(model, longest: int) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
-    longest = max(len(p) for p in prompts) + params.max_new_tokens
     if limit is not None and longest > limit:
         raise ValueError(
             f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {limit}"
         )
+
+
+def _start(model, cache, logits, mask, next_pos, budgets: list[int], params: SamplingParams):
+    n_seq = logits.shape[0]
+    return Decoding(
+        cache, logits, mask, next_pos, torch.arange(n_seq, device=model.device),
+        torch.tensor(budgets, device=model.device), [[] for _ in range(n_seq)],
+        [[] for _ in range(n_seq)], ["length"] * n_seq,
+        torch.Generator(device=model.device).manual_seed(params.seed),
+    )
+
+
+@torch.inference_mode()
+def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
+                    pad_id: int, prefix_lens: list[int] | None = None,
+                    stats: GenerationStats | None = None) -> Decoding:
+    """Prefill ``n_samples`` copies of each prompt (prompt-major). ``prefix_lens[i]`` tokens
+    of prompt i are a prefix shared with other prompts (0 = nothing shared); ``None``
+    disables every sharing, the n samples included."""
+    stats = stats if stats is not None else GenerationStats()
+    started = time.perf_counter()
+    _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
     if prefix_lens is None:  # no sharing: every sample prefilled on its own
         prompts = [p for p in prompts for _ in range(n_samples)]
         repeat, prefix_lens = 1, [0] * len(prompts)
@@ -176,38 +218,123 @@ def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingPara
         logits = logits.repeat_interleave(repeat, dim=0)
         mask = mask.repeat_interleave(repeat, dim=0)
         next_pos = next_pos.repeat_interleave(repeat)
+    stats.prefill_seconds += time.perf_counter() - started
+    return _start(model, cache, logits, mask, next_pos,
+                  [params.max_new_tokens] * logits.shape[0], params)
 
-    n_seq = logits.shape[0]
-    tokens_out: list[list[int]] = [[] for _ in range(n_seq)]
-    logps_out: list[list[float]] = [[] for _ in range(n_seq)]
-    reasons = ["length"] * n_seq
-    live = torch.arange(n_seq, device=model.device)  # row of the batch -> sequence index
-    gen = torch.Generator(device=model.device).manual_seed(params.seed)
-    for step in range(params.max_new_tokens):
-        tokens, logps = _sample(logits, params, gen)
-        for seq, tok, lp in zip(live.tolist(), tokens.tolist(), logps.tolist()):
-            tokens_out[seq].append(tok)
-            logps_out[seq].append(lp)
-        stats.decode_tokens += len(live)
+
+@torch.inference_mode()
+def prefill_continuations(model, prompts: list[list[int]], generated: list[list[int]],
+                          params: SamplingParams, pad_id: int,
+                          stats: GenerationStats | None = None) -> Decoding:
+    """Resume sequences cut elsewhere: prefill prompt + tokens generated so far (the
+    recompute side of cut-and-migrate); each may generate up to ``max_new_tokens`` in all."""
+    stats = stats if stats is not None else GenerationStats()
+    started = time.perf_counter()
+    full = [p + g for p, g in zip(prompts, generated)]
+    _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
+    ids, mask = _left_pad(full, pad_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
+    stats.prefill_tokens += int(mask.sum())
+    stats.prefill_seconds += time.perf_counter() - started
+    next_pos = torch.tensor([len(f) for f in full], device=model.device)
+    budgets = [params.max_new_tokens - len(g) for g in generated]
+    if min(budgets) < 1:
+        raise ValueError("prefill_continuations: a sequence has no token budget left")
+    return _start(model, cache, out.logits[:, -1], mask, next_pos, budgets, params)
+
+
+@torch.inference_mode()
+def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
+                 stats: GenerationStats | None = None, until_finished: float = 1.0) -> Decoding:
+    """Decode until every sequence is done, or until the finished fraction reaches
+    ``until_finished`` (then ``dec`` holds the rest, ready to resume). A sequence that
+    emits EOS or spends its budget leaves the batch and the KV cache at once."""
+    stats = stats if stats is not None else GenerationStats()
+    started = time.perf_counter()
+    while len(dec.live):
+        tokens, logps = _sample(dec.logits, params, dec.gen)
+        for seq, tok, lp in zip(dec.live.tolist(), tokens.tolist(), logps.tolist()):
+            dec.tokens[seq].append(tok)
+            dec.logprobs[seq].append(lp)
+        stats.decode_tokens += len(dec.live)
         stats.decode_steps += 1
-        done = tokens == eos_id
-        for seq in live[done].tolist():
-            reasons[seq] = "stop"
-        if step == params.max_new_tokens - 1:
-            break
-        if done.any():  # finished sequences leave the batch and the cache
-            keep = (~done).nonzero().squeeze(-1)
+        stopped = tokens == eos_id
+        for seq in dec.live[stopped].tolist():
+            dec.reasons[seq] = "stop"
+        dec.budget = dec.budget - 1
+        keep = (~(stopped | (dec.budget <= 0))).nonzero().squeeze(-1)
+        if len(keep) < len(dec.live):  # finished sequences leave the batch and the cache
             if len(keep) == 0:
+                dec.live = keep
                 break
-            cache.batch_select_indices(keep)
-            live, tokens, mask, next_pos = live[keep], tokens[keep], mask[keep], next_pos[keep]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        out = _forward(model, cache, input_ids=tokens[:, None], attention_mask=mask,
-                       position_ids=next_pos[:, None])
-        next_pos = next_pos + 1
-        logits = out.logits[:, -1]
-    stats.seconds += time.perf_counter() - started
-    return list(zip(tokens_out, logps_out, reasons))
+            dec.cache.batch_select_indices(keep)
+            dec.live, dec.mask, dec.next_pos = dec.live[keep], dec.mask[keep], dec.next_pos[keep]
+            dec.budget, tokens = dec.budget[keep], tokens[keep]
+        dec.mask = torch.cat([dec.mask, torch.ones_like(dec.mask[:, :1])], dim=-1)
+        out = _forward(model, dec.cache, input_ids=tokens[:, None], attention_mask=dec.mask,
+                       position_ids=dec.next_pos[:, None])
+        dec.next_pos = dec.next_pos + 1
+        dec.logits = out.logits[:, -1]
+        if dec.finished_fraction >= until_finished:
+            break
+    stats.decode_seconds += time.perf_counter() - started
+    return dec
+
+
+def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
+           eos_id: int, pad_id: int, prefix_lens: list[int] | None = None,
+           stats: GenerationStats | None = None) -> list[tuple[list[int], list[float], str]]:
+    """Generate ``n_samples`` continuations of each prompt to the end; returns, prompt-major,
+    one ``(token ids, logprobs, finish_reason)`` per (prompt, sample)."""
+    dec = prefill_prompts(model, prompts, n_samples, params, pad_id, prefix_lens, stats)
+    return run_decoding(model, dec, params, eos_id, stats).results()
+
+
+def expand_samples(prompts: pa.Table, n_samples: int) -> pa.Table:
+    """One row per (prompt, sample), prompt-major, with ``sample_idx`` appended: the row
+    order in which ``prefill_prompts`` numbers its sequences."""
+    # typed indices: an empty Python list would infer a null type that take() rejects
+    order = pa.array([i for i in range(len(prompts)) for _ in range(n_samples)], pa.int64())
+    sample_idx = pa.array([s for _ in range(len(prompts)) for s in range(n_samples)], pa.int32())
+    return prompts.take(order).append_column(ROLLOUTS.field("sample_idx"), sample_idx)
+
+
+def rollouts_table(rows: pa.Table, results: list[tuple[list[int], list[float], str]],
+                   tokenizer, *, policy_version: int, worker: str, start: float,
+                   end: float) -> pa.Table:
+    """``rows`` (one per sequence, ``sample_idx`` included) with the generation columns of
+    ``schema.ROLLOUTS`` appended from ``results`` (token ids, logprobs, finish reason)."""
+    n = len(results)
+    if n != len(rows):
+        raise ValueError(f"rollouts_table: {len(rows)} rows but {n} results")
+    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True)
+    added = {
+        "response_ids": pa.array([r[0] for r in results], pa.list_(pa.int32())),
+        "response_text": pa.array(texts, pa.string()),
+        "logprobs": pa.array([r[1] for r in results], pa.list_(pa.float32())),
+        "finish_reason": pa.array([r[2] for r in results], pa.string()),
+        "policy_version": pa.array([policy_version] * n, pa.int64()),
+        "worker": pa.array([worker] * n, pa.string()),
+        "gen_start": pa.array([start] * n, pa.float64()),
+        "gen_end": pa.array([end] * n, pa.float64()),
+    }
+    for name, column in added.items():
+        rows = rows.append_column(ROLLOUTS.field(name), column)
+    return rows
+
+
+def prefix_lens_of(prompts: pa.Table, share_prefixes: bool) -> list[int] | None:
+    """The sharing argument of ``prefill_prompts`` for a shard: ``None`` (no sharing at all)
+    or each prompt's shared-prefix length from the plan (0 without a plan)."""
+    if not share_prefixes:
+        return None
+    if "prefix_len" in prompts.column_names:
+        return prompts.column("prefix_len").to_pylist()
+    return [0] * len(prompts)
 
 
 def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,
@@ -221,32 +348,11 @@ def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,
     check_columns(prompts, PROMPTS, "generate_rollouts")
     stats = GenerationStats()
     ids = prompts.column("prompt_ids").to_pylist()
-    if not share_prefixes:
-        prefix_lens = None
-    elif "prefix_len" in prompts.column_names:
-        prefix_lens = prompts.column("prefix_len").to_pylist()
-    else:
-        prefix_lens = [0] * len(ids)
     start = time.time()
     results = decode(model, ids, n_samples, params, tokenizer.eos_token_id,
-                     tokenizer.pad_token_id, prefix_lens, stats) if ids else []
-    end = time.time()
-    # typed indices: an empty Python list would infer a null type that take() rejects
-    order = pa.array([i for i in range(len(ids)) for _ in range(n_samples)], pa.int64())
-    rows = prompts.take(order)
-    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True)
-    n = len(results)
-    added = {
-        "sample_idx": pa.array([s for _ in ids for s in range(n_samples)], pa.int32()),
-        "response_ids": pa.array([r[0] for r in results], pa.list_(pa.int32())),
-        "response_text": pa.array(texts, pa.string()),
-        "logprobs": pa.array([r[1] for r in results], pa.list_(pa.float32())),
-        "finish_reason": pa.array([r[2] for r in results], pa.string()),
-        "policy_version": pa.array([policy_version] * n, pa.int64()),
-        "worker": pa.array([worker] * n, pa.string()),
-        "gen_start": pa.array([start] * n, pa.float64()),
-        "gen_end": pa.array([end] * n, pa.float64()),
-    }
-    for name, column in added.items():
-        rows = rows.append_column(ROLLOUTS.field(name), column)
-    return rows, stats
+                     tokenizer.pad_token_id, prefix_lens_of(prompts, share_prefixes),
+                     stats) if ids else []
+    table = rollouts_table(expand_samples(prompts, n_samples), results, tokenizer,
+                           policy_version=policy_version, worker=worker, start=start,
+                           end=time.time())
+    return table, stats

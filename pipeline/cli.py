@@ -11,7 +11,6 @@ import json
 import sys
 
 import dask
-import pyarrow as pa
 from dask.utils import key_split
 
 from rlhfless.ops.publish import WeightsRef

@@ -11,9 +11,13 @@ dask-jobqueue clusters are SpecClusters too, which is how the same pools run as 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from distributed import Client, LocalCluster, Nanny
+
+from rlhfless.schedulers.dask_plugin import ElasticityPlugin, drain_events, retirable
+from rlhfless.schedulers.ledger import CostLedger
 
 from .config import Config
 
@@ -27,72 +31,123 @@ class Pool:
     memory: str = "4GiB"
 
 
-def pools_from_config(cfg: Config) -> list[Pool]:
+def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
+    """The generation pool and the trainer; an elastic pool starts with one worker and
+    grows as the policy decides."""
     return [
-        Pool("gen", cfg.gen_workers, cfg.gen_threads, {"GEN": 1}, cfg.worker_memory),
+        Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
+             cfg.worker_memory),
         Pool("train", 1, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory),
     ]
 
 
-class PoolCluster:
-    """A ``LocalCluster`` whose workers are the members of named pools."""
+def pool_of(worker_name: str) -> str:
+    return worker_name.rsplit("-", 1)[0]
 
-    def __init__(self, pools: list[Pool], host: str = "127.0.0.1",
+
+class PoolCluster:
+    """A ``LocalCluster`` whose workers are the members of named pools.
+
+    Every start and stop goes to the ``CostLedger``: billing starts when a worker is
+    requested (process start and model load are part of its cold start) and ends when the
+    scheduler sees it leave. ``ElasticityPlugin`` reports arrivals, departures and task spans.
+    """
+
+    def __init__(self, pools: list[Pool], ledger: CostLedger, host: str = "127.0.0.1",
                  dashboard_address: str = "127.0.0.1:0") -> None:
         self.pools = {p.name: p for p in pools}
+        self.ledger = ledger
+        self.task_events: list[tuple] = []
         self.cluster = LocalCluster(
             n_workers=0, processes=True, host=host, dashboard_address=dashboard_address,
-            silence_logs=logging.WARNING,
+            silence_logs=logging.WARNING, scheduler_kwargs={"plugins": [ElasticityPlugin()]},
         )
         self.client = Client(self.cluster)
         for pool in pools:
-            self.scale(pool.name, pool.size, wait=False)
+            self.grow(pool.name, pool.size, wait=False)
         self.client.wait_for_workers(sum(p.size for p in pools))
+        self.sync_events()
 
     def worker_names(self, pool: str) -> list[str]:
-        return sorted(n for n in self.cluster.worker_spec if n.rsplit("-", 1)[0] == pool)
+        return sorted((n for n in self.cluster.worker_spec if pool_of(n) == pool),
+                      key=lambda n: int(n.rsplit("-", 1)[1]))
 
-    def scale(self, pool: str, n: int, wait: bool = True) -> None:
-        """Set the size of ``pool`` to ``n`` workers (highest-numbered ones leave first)."""
-        spec = self.pools[pool]
-        names = self.worker_names(pool)
-        for name in names[n:]:
-            del self.cluster.worker_spec[name]
-        used = {int(x.rsplit("-", 1)[1]) for x in names[:n]}
-        i = 0
-        while len(used) < n:
-            if i not in used:
-                self.cluster.worker_spec[f"{pool}-{i}"] = {
-                    "cls": Nanny,
-                    "options": {
-                        "nthreads": spec.threads,
-                        "resources": dict(spec.resources),
-                        "memory_limit": spec.memory,
-                        "silence_logs": logging.WARNING,
-                        "env": {
-                            "OMP_NUM_THREADS": str(spec.threads),
-                            "TRANSFORMERS_VERBOSITY": "error",
-                            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                        },
-                    },
-                }
-                used.add(i)
+    def address_of(self, name: str) -> str:
+        for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+            if str(info["name"]) == name:
+                return address
+        raise KeyError(f"worker {name!r} is not connected")
+
+    def grow(self, pool: str, n: int, wait: bool = True) -> list[str]:
+        """Start ``n`` more workers of ``pool``; returns their names."""
+        spec, names, i = self.pools[pool], [], 0
+        while len(names) < n:
+            name = f"{pool}-{i}"
+            if name not in self.cluster.worker_spec:
+                self.cluster.worker_spec[name] = {"cls": Nanny, "options": _worker_options(spec)}
+                self.ledger.worker_started(name, pool, time.time())
+                names.append(name)
             i += 1
         # SpecCluster.scale applies worker_spec edits the same way
         self.cluster.sync(self.cluster._correct_state)
-        if wait:
+        if wait and names:
             self.client.wait_for_workers(len(self.cluster.worker_spec))
+            self.sync_events()
+        return names
+
+    def retire(self, names: list[str]) -> list[str]:
+        """Retire those of ``names`` that no scheduler plugin vetoes (a worker running a task
+        or holding state a waiting task needs stays); their results move to other workers
+        first. Returns the names retired."""
+        allowed = self.client.run_on_scheduler(retirable, names=list(names))
+        if allowed:
+            self.client.retire_workers(names=allowed, close_workers=True, remove=True)
+            for name in allowed:
+                self.cluster.worker_spec.pop(name, None)
+            self.cluster.sync(self.cluster._correct_state)
+        self.sync_events()
+        return allowed
+
+    def sync_events(self) -> None:
+        """Move the scheduler plugin's events into the ledger and ``task_events``."""
+        for kind, t, name, details in self.client.run_on_scheduler(drain_events):
+            if kind == "arrive":
+                if name not in self.ledger.running():  # restarted by its nanny after a crash
+                    self.ledger.worker_started(name, pool_of(name), t)
+                self.ledger.worker_ready(name, t)
+            elif kind == "depart" and name in self.ledger.running():
+                self.ledger.worker_stopped(name, t)
+            elif kind == "task":
+                self.task_events.append((name, details))
 
     @property
     def dashboard_link(self) -> str:
         return self.cluster.dashboard_link
 
     def close(self) -> None:
+        self.sync_events()
         self.client.close()
         self.cluster.close()
+        now = time.time()
+        for name in self.ledger.running():  # the scheduler is gone: stop billing now
+            self.ledger.worker_stopped(name, now)
 
     def __enter__(self) -> PoolCluster:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _worker_options(spec: Pool) -> dict:
+    return {
+        "nthreads": spec.threads,
+        "resources": dict(spec.resources),
+        "memory_limit": spec.memory,
+        "silence_logs": logging.WARNING,
+        "env": {
+            "OMP_NUM_THREADS": str(spec.threads),
+            "TRANSFORMERS_VERBOSITY": "error",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        },
+    }

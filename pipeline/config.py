@@ -10,15 +10,17 @@ to a bare string. The ``[rewards]`` table maps a ``data_source`` to a built-in v
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import tomllib
+
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
     "mode": ("sync",),
-    "policy": ("static",),
+    "policy": ("static", "elastic"),
+    "assignment": ("length", "round_robin"),
     "backend": ("hf",),
     "cluster": ("local",),
     "device": ("auto", "cpu", "cuda"),
@@ -72,7 +74,14 @@ class Config:
     backend: str = "hf"
     cluster: str = "local"
     device: str = "auto"
-    gen_workers: int = 2  # generation pool size (resource GEN=1 each)
+    gen_workers: int = 2  # generation pool size; the most the elastic policy may start
+    # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run)
+    lambda_cost: float = 0.5  # 1: fastest worker count, 0: cheapest (worker-seconds)
+    tau_migrate: float = 0.7  # completion fraction at which a shard's tail may move
+    assignment: str = "length"  # prompts of similar predicted length on one worker
+    keep_alive_s: float = -1.0  # idle seconds before retiring; < 0: break-even with cold start
+    ewma_alpha: float = 0.5  # response-length predictor
+    prices: dict[str, float] = field(default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
     worker_memory: str = "4GiB"
@@ -93,6 +102,12 @@ class Config:
         for key in ("temperature", "lr", "reward_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
+        if not 0 <= self.lambda_cost <= 1 or not 0 < self.tau_migrate <= 1:
+            raise ConfigError("lambda_cost must be in [0, 1] and tau_migrate in (0, 1]")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ConfigError(f"ewma_alpha = {self.ewma_alpha} must be in (0, 1]")
+        if set(self.prices) != {"gen", "train"}:
+            raise ConfigError(f"prices = {self.prices} must price exactly the pools gen, train")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
@@ -111,14 +126,16 @@ class Config:
 def _coerce(key: str, value: Any, kind: Any) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    expected = {"str": str, "int": int, "float": float, "bool": bool}.get(getattr(kind, "__name__", ""))
-    if expected is not None:
-        if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
-            raise ConfigError(f"{key} = {value!r} must be of type {expected.__name__}")
+    if kind in (str, int, float, bool):
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise ConfigError(f"{key} = {value!r} must be of type {kind.__name__}")
         return value
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ConfigError(f"{key} = {value!r} must be a table of strings")
-    return value
+    want = float if "float" in str(kind) else str
+    if not isinstance(value, dict) or not all(
+        isinstance(v, want) or want is float and isinstance(v, int) for v in value.values()
+    ):
+        raise ConfigError(f"{key} = {value!r} must be a table of {want.__name__} values")
+    return {k: want(v) for k, v in value.items()}
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -139,8 +156,7 @@ def make_config(values: dict[str, Any]) -> Config:
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
-        kind = hints[key]
-        checked[key] = _coerce(key, value, dict if "dict" in str(kind) else kind)
+        checked[key] = _coerce(key, value, hints[key])
     return Config(**checked)
 
 

@@ -26,13 +26,17 @@ from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import ensure_tiny_model
 from rlhfless.ops.update import UpdateParams
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.predictor import LengthPredictor
+from rlhfless.schedulers.throughput import ThroughputModel
 
 from .cluster import PoolCluster, pools_from_config
 from .config import Config
+from .elastic import ElasticGeneration, ElasticState
 from .graph import iteration_graph, rollout_graph
 from .metrics import generation_metrics, rollout_metrics, stage_seconds
 from .runs import RunDir
-from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec
+from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec, publish_task, update_task
 
 
 class PromptSampler:
@@ -103,6 +107,8 @@ def load_prompt_sets(cfg: Config, model_path: Path) -> tuple[pa.Table, pa.Table,
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
              cfg: Config) -> dict:
     """Held-out accuracy of greedy decoding with ``weights``."""
+    if not pc.worker_names("gen"):  # the elastic policy may have released every one
+        pc.grow("gen", 1)
     _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
                               tag="eval-")
@@ -114,15 +120,8 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
             "heldout_response_len_mean": float(np.mean(lengths)), "heldout_n": len(table)}
 
 
-def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iteration: int,
-                  specs: Specs, cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
-    graph = iteration_graph(pc.client.scatter(batch), weights, iteration, cfg.gen_workers,
-                            specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
-                            seed=cfg.seed * 1_000_003 + iteration, min_prefix=cfg.min_prefix)
-    started = time.time()
-    with get_task_stream(pc.client) as stream:
-        plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)
-    *trainables, update, new_weights = rest
+def _record(iteration: int, weights: WeightsRef, started: float, plan, trainables: list,
+            update: dict, stream: list[dict]) -> tuple[dict, pa.Table]:
     table = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
     versions = set(table.column("policy_version").to_pylist())
     if versions != {weights.version}:  # synchronous mode: on-policy, by construction
@@ -135,9 +134,53 @@ def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iterati
         "prefill_tokens_naive": plan.naive_prefill_tokens,
         "prefill_tokens_planned": plan.planned_prefill_tokens,
         "prefill_tokens_saved": plan.naive_prefill_tokens - gen.get("prefill_tokens", 0),
-        **gen, **rollout_metrics(table), **update, **stage_seconds(stream.data),
+        **gen, **rollout_metrics(table), **update, **stage_seconds(stream),
     }
+    return record, table
+
+
+def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iteration: int,
+                  specs: Specs, cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
+    """A static-policy iteration: the whole iteration is one graph on the fixed pools."""
+    graph = iteration_graph(pc.client.scatter(batch), weights, iteration, cfg.gen_workers,
+                            specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
+                            seed=cfg.seed * 1_000_003 + iteration, min_prefix=cfg.min_prefix)
+    started = time.time()
+    with get_task_stream(pc.client) as stream:
+        plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)
+    *trainables, update, new_weights = rest
+    record, table = _record(iteration, weights, started, plan, trainables, update, stream.data)
     return record, table, new_weights
+
+
+def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: WeightsRef,
+                          iteration: int, specs: Specs,
+                          cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
+    """An elastic-policy iteration: generation decided as it runs, then the update."""
+    client = eg.pc.client
+    started = time.time()
+    with get_task_stream(client) as stream:
+        plan, trainable_futures, facts = eg.run_generation(
+            batch, weights, iteration, specs, cfg.seed * 1_000_003 + iteration)
+        metrics = client.submit(update_task, trainable_futures, weights, specs.train,
+                                key=f"update-{iteration}", resources={"TRAIN": 1})
+        published = client.submit(publish_task, metrics, specs.train, weights.version + 1,
+                                   key=f"publish-{iteration}", resources={"TRAIN": 1})
+        trainables, update, new_weights = client.gather(
+            [trainable_futures, metrics, published])
+    eg.after_update(update["update_seconds"], [t.schema.metadata and {
+        k.decode(): float(v) for k, v in t.schema.metadata.items()} or {} for t in trainables])
+    record, table = _record(iteration, weights, started, plan, trainables, update, stream.data)
+    return record | facts, table, new_weights
+
+
+def observe_lengths(predictor: LengthPredictor, table: pa.Table) -> dict:
+    """Log the predictor's error on this batch (predicted before it saw it), then learn."""
+    ids = table.column("prompt_id").to_pylist()
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    error = predictor.error(ids, lengths)
+    predictor.observe(ids, lengths)
+    return {f"len_pred_{k}": v for k, v in error.items()}
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print) -> RunDir:
@@ -150,14 +193,27 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
     specs = make_specs(cfg, model_path, run)
     sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
     weights = WeightsRef(0, str(model_path))
-    with PoolCluster(pools_from_config(cfg), cfg.scheduler_host, cfg.dashboard_address) as pc:
+    ledger = CostLedger(cfg.prices)
+    state = ElasticState(LengthPredictor(alpha=cfg.ewma_alpha), ThroughputModel())
+    pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
+    with PoolCluster(pools, ledger, cfg.scheduler_host, cfg.dashboard_address) as pc:
         log(f"dashboard: {pc.dashboard_link}")
+        eg = ElasticGeneration(pc, cfg, run, state)
         accuracy = evaluate(pc, heldout, weights, specs, cfg)
         run.append_metrics({"event": "eval", "iteration": 0, **accuracy})
         bar = tqdm(range(1, cfg.iterations + 1), disable=not progress, desc="train")
         for iteration in bar:
-            record, table, weights = run_iteration(pc, sampler.next_batch(), weights, iteration,
-                                                   specs, cfg)
+            t0 = time.time()
+            if cfg.policy == "elastic":
+                record, table, weights = run_elastic_iteration(
+                    eg, sampler.next_batch(), weights, iteration, specs, cfg)
+            else:
+                record, table, weights = run_iteration(pc, sampler.next_batch(), weights,
+                                                       iteration, specs, cfg)
+            pc.sync_events()
+            ledger.mark("iteration", iteration, t0, time.time())
+            record |= observe_lengths(state.predictor, table)
+            record |= worker_seconds(ledger, t0, time.time())
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
@@ -165,4 +221,16 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                             heldout=f"{accuracy['heldout_accuracy']:.2f}")
+    run.write_json("ledger.json", {"prices": ledger.prices, "totals": ledger.totals(),
+                                   "by_iteration": ledger.by_iteration(),
+                                   "records": ledger.records()})
     return run
+
+
+def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:
+    """Worker-seconds billed per pool between ``t0`` and ``t1`` (so far in the run)."""
+    out = {}
+    for pool in ledger.prices:
+        out[f"{pool}_worker_s"] = (ledger.worker_seconds(pool, until=t1)
+                                   - ledger.worker_seconds(pool, until=t0))
+    return out

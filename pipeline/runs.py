@@ -2,6 +2,8 @@
 
     config.json          the resolved configuration
     metrics.jsonl        one JSON object per iteration (and per held-out evaluation)
+    decisions.jsonl      every scaling, migration and release decision (elastic policy)
+    ledger.json          worker-seconds and cost per pool, per iteration, per worker
     rollouts/iter-N.parquet   every sample of iteration N
     weights/vN.safetensors    the newest published policy versions
 
@@ -51,11 +53,17 @@ class RunDir:
         os.replace(tmp, self.path / name)
 
     def append_metrics(self, record: dict) -> None:
-        with (self.path / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.append_jsonl("metrics.jsonl", record)
+
+    def append_jsonl(self, name: str, record: dict) -> None:
+        with (self.path / name).open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
 
     def metrics(self) -> list[dict]:
-        path = self.path / "metrics.jsonl"
+        return self.read_jsonl("metrics.jsonl")
+
+    def read_jsonl(self, name: str) -> list[dict]:
+        path = self.path / name
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -24,7 +24,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from rlhfless.ops.advantage import compute_advantages
-from rlhfless.ops.generate import SamplingParams, generate_rollouts
+from rlhfless.ops.generate import (
+    Decoding,
+    GenerationStats,
+    SamplingParams,
+    expand_samples,
+    generate_rollouts,
+    prefill_continuations,
+    prefill_prompts,
+    prefix_lens_of,
+    rollouts_table,
+    run_decoding,
+)
 from rlhfless.ops.publish import WeightsRef, load_weights, publish_weights, require_version
 from rlhfless.ops.reward import VERIFIERS, score
 from rlhfless.ops.update import UpdateParams, update_policy
@@ -71,6 +82,7 @@ class Engine:
 
 _ENGINE: dict[str, Engine] = {}
 _TRAINER: dict[str, object] = {}
+_PAUSED: dict[str, tuple[Decoding, pa.Table, float]] = {}  # chunk key -> paused decoding
 
 
 def _device(name: str) -> torch.device:
@@ -120,10 +132,98 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
         engine.model, engine.tokenizer, shard, spec.n_samples, params,
         policy_version=engine.version, worker=_worker_name(), share_prefixes=spec.share_prefixes,
     )
-    meta = {"prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
-            "decode_steps": stats.decode_steps, "gen_seconds": stats.seconds,
+    return _with_stats(table, stats, cold)
+
+
+def _with_stats(table: pa.Table, stats: GenerationStats, cold: float) -> pa.Table:
+    meta = {"prefill_tokens": stats.prefill_tokens, "prefill_seconds": stats.prefill_seconds,
+            "decode_tokens": stats.decode_tokens, "decode_steps": stats.decode_steps,
+            "decode_seconds": stats.decode_seconds, "gen_seconds": stats.seconds,
             "cold_start_s": cold}
     return table.replace_schema_metadata({k: str(v) for k, v in meta.items()})
+
+
+# ---- chunked generation (elastic policy): cut at tau, then resume here or migrate ----
+
+def _finished_and_cut(dec: Decoding, rows: pa.Table, engine: Engine, start: float,
+                      stats: GenerationStats, cold: float) -> dict:
+    """Rollouts of the sequences that left the batch, and the cut (unfinished) ones with
+    their tokens so far (``partial_ids``, ``partial_logprobs``) for a continuation."""
+    unfinished = dec.live.tolist()
+    pending = set(unfinished)
+    done = [i for i in range(len(rows)) if i not in pending]
+    results = dec.results()
+    table = rollouts_table(rows.take(pa.array(done, pa.int64())), [results[i] for i in done],
+                           engine.tokenizer, policy_version=engine.version,
+                           worker=_worker_name(), start=start, end=time.time())
+    cut = rows.take(pa.array(unfinished, pa.int64()))
+    cut = cut.append_column("partial_ids", pa.array([results[i][0] for i in unfinished],
+                                                    pa.list_(pa.int32())))
+    cut = cut.append_column("partial_logprobs", pa.array([results[i][1] for i in unfinished],
+                                                         pa.list_(pa.float32())))
+    return {"done": _with_stats(table, stats, cold), "cut": cut}
+
+
+def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int,
+                        until_finished: float, key: str) -> dict:
+    """Generate a shard until ``until_finished`` of its sequences are done; the rest stay
+    paused on this worker under ``key`` (KV cache and all) until ``resume_task`` or
+    ``drop_task``. Returns ``{"done": rollouts, "cut": unfinished rows}``."""
+    engine, cold = _generation_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+    stats, start = GenerationStats(), time.time()
+    rows = expand_samples(shard, spec.n_samples)
+    tok = engine.tokenizer
+    dec = prefill_prompts(engine.model, shard.column("prompt_ids").to_pylist(), spec.n_samples,
+                          params, tok.pad_token_id, prefix_lens_of(shard, spec.share_prefixes),
+                          stats)
+    run_decoding(engine.model, dec, params, tok.eos_token_id, stats, until_finished)
+    out = _finished_and_cut(dec, rows, engine, start, stats, cold)
+    if len(dec.live):
+        _PAUSED[key] = (dec, rows, start)
+    return out
+
+
+def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> pa.Table:
+    """Finish the paused decoding ``key`` here, with its KV cache (the *stay* side)."""
+    dec, rows, start = _PAUSED.pop(key)
+    engine, _ = _generation_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    tail = dec.live.tolist()
+    stats = GenerationStats()
+    run_decoding(engine.model, dec, spec.sampling, engine.tokenizer.eos_token_id, stats)
+    results = dec.results()
+    table = rollouts_table(rows.take(pa.array(tail, pa.int64())), [results[i] for i in tail],
+                           engine.tokenizer, policy_version=engine.version,
+                           worker=_worker_name(), start=start, end=time.time())
+    return _with_stats(table, stats, 0.0)
+
+
+def drop_task(key: str) -> bool:
+    """Forget the paused decoding ``key`` (its tail was migrated elsewhere)."""
+    return _PAUSED.pop(key, None) is not None
+
+
+def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> pa.Table:
+    """Continue sequences cut on another worker, recomputing their prefix (the *move*
+    side of cut-and-migrate)."""
+    engine, cold = _generation_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+    stats, start = GenerationStats(), time.time()
+    partial = cut.column("partial_ids").to_pylist()
+    partial_lp = cut.column("partial_logprobs").to_pylist()
+    tok = engine.tokenizer
+    dec = prefill_continuations(engine.model, cut.column("prompt_ids").to_pylist(), partial,
+                                params, tok.pad_token_id, stats)
+    run_decoding(engine.model, dec, params, tok.eos_token_id, stats)
+    results = [(p + t, plp + lp, reason)
+               for p, plp, (t, lp, reason) in zip(partial, partial_lp, dec.results())]
+    rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
+    table = rollouts_table(rows, results, tok, policy_version=engine.version,
+                           worker=_worker_name(), start=start, end=time.time())
+    return _with_stats(table, stats, cold)
 
 
 def resolve_reward(name: str):

@@ -17,5 +17,10 @@ QUICK_RECIPE = TinyRecipe(
 
 
 @pytest.fixture(scope="session")
+def quick_recipe():
+    return QUICK_RECIPE
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("cache"), QUICK_RECIPE, log=lambda *_: None)

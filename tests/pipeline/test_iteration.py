@@ -43,7 +43,7 @@ def test_training_run_yields_every_sample_once(tiny_model_dir, tmp_path):
         for key in ("reward_mean", "loss", "response_len_mean", "response_len_cv",
                     "grad_norm", "dedup_wall_s", "publish_wall_s"):
             assert key in m, key
-    for it, m in enumerate(iterations, start=1):
+    for it in (1, 2):
         table = pq.read_table(run.path / "rollouts" / f"iter-{it:05d}.parquet")
         pairs = Counter(zip(table.column("prompt_id").to_pylist(),
                             table.column("sample_idx").to_pylist()))

@@ -1,0 +1,252 @@
+"""Elastic, cost-aware generation: the RLHFless policy applied to the generation pool.
+
+Per iteration, driven from the driver with Dask futures (the graph is decided as it runs):
+
+1. predict each prompt's response length (EWMA, ``LengthPredictor``);
+2. choose how many generation workers to run and which prompts each gets
+   (``choose_generation_workers``: λ·time + (1-λ)·worker-seconds, from a throughput model
+   fitted online to this run's own timings), grow or retire the pool to that size;
+3. generate each shard in a chunk that pauses at completion fraction τ; for the paused
+   tail ``plan_migration`` decides: resume it where its KV cache is, or cut it and continue
+   it on other workers, recomputing its prefix there;
+4. as soon as a shard is complete, score it and compute its advantages (streaming);
+5. release generation workers that would idle longer than a cold start costs (break-even
+   keep-alive) — the pool shrinks to what the update needs while the update runs.
+
+Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
+``decisions.jsonl``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+from distributed import as_completed
+
+from rlhfless.ops.prefix_dedup import plan_prefixes
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.shard import take_shards
+from rlhfless.schedulers.assignment import assign_by_length
+from rlhfless.schedulers.migration import WorkerProgress, plan_migration
+from rlhfless.schedulers.predictor import LengthPredictor
+from rlhfless.schedulers.scaling import choose_generation_workers, round_robin
+from rlhfless.schedulers.throughput import ThroughputModel
+
+from .cluster import PoolCluster
+from .config import Config
+from .metrics import generation_metrics
+from .runs import RunDir
+from .workers import (
+    advantage_task,
+    continue_task,
+    drop_task,
+    generate_chunk_task,
+    resume_task,
+    reward_task,
+)
+
+
+@dataclass
+class ElasticState:
+    """What the policy learns across iterations (part of a checkpoint)."""
+
+    predictor: LengthPredictor
+    throughput: ThroughputModel
+    update_seconds: float = 1.0  # EWMA of the update's duration: the pool's idle gap
+    seen_cold_starts: int = 0
+    decisions: list[dict] = field(default_factory=list)
+
+
+def seq_id(prompt_id: str, sample_idx: int) -> str:
+    return f"{prompt_id}#{sample_idx}"
+
+
+class ElasticGeneration:
+    """Generation of one iteration under the elastic policy; see the module docstring."""
+
+    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, state: ElasticState) -> None:
+        self.pc, self.cfg, self.run, self.state = pc, cfg, run, state
+
+    # ---- decisions ---------------------------------------------------------------------
+
+    def log(self, iteration: int, **record) -> dict:
+        record = {"t": time.time(), "iteration": iteration, **record}
+        self.state.decisions.append(record)
+        self.run.append_jsonl("decisions.jsonl", record)
+        return record
+
+    def keep_alive_s(self) -> float:
+        if self.cfg.keep_alive_s >= 0:
+            return self.cfg.keep_alive_s
+        return self.state.throughput.cold_start_s  # break-even: idling longer costs more
+
+    def scale_pool(self, prompts: pa.Table, iteration: int):
+        """Choose the worker count and assignment; grow or retire the pool to match."""
+        ids = prompts.column("prompt_id").to_pylist()
+        pred = self.state.predictor.predict(ids)
+        pred_max = self.state.predictor.predict_max(ids)
+        prompt_tokens = np.array([len(p) for p in prompts.column("prompt_ids").to_pylist()])
+        warm = self.pc.worker_names("gen")
+        assign = assign_by_length if self.cfg.assignment == "length" else round_robin
+        decision = choose_generation_workers(
+            pred, self.cfg.n_samples, self.state.throughput, max_workers=self.cfg.gen_workers,
+            lambda_cost=self.cfg.lambda_cost, keep_warm=len(warm), assign=assign,
+            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens)
+        n = decision.n_workers
+        if n > len(warm):
+            self.pc.grow("gen", n - len(warm))
+        elif n < len(warm):
+            self.pc.retire(warm[n:])
+        workers = self.pc.worker_names("gen")
+        self.log(iteration, pool="gen", kind="scale", **{"from": len(warm), "to": len(workers)},
+                 reason=f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
+                 predicted_s=decision.predicted_seconds,
+                 predicted_worker_s=decision.predicted_cost_ws)
+        return decision, workers
+
+    # ---- one iteration -----------------------------------------------------------------
+
+    def run_generation(self, batch: pa.Table, weights: WeightsRef, iteration: int, specs,
+                       seed: int) -> tuple[object, list, dict]:
+        """Generate, score and compute advantages for ``batch``; returns the dedup plan, one
+        future of a trainable table per shard, and generation facts for the metrics."""
+        started = time.time()
+        plan = plan_prefixes(batch, self.cfg.n_samples, self.cfg.min_prefix)
+        decision, workers = self.scale_pool(plan.prompts, iteration)
+        shards = take_shards(plan.prompts, decision.assignment)
+        ids = plan.prompts.column("prompt_id").to_pylist()
+        self.pred_max = dict(zip(ids, self.state.predictor.predict_max(ids)))
+        self.load = {w: WorkerProgress(0, 0, busy=False) for w in workers}
+        self.pending: dict[int, set] = {}
+        self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
+        self.ac = as_completed()
+        pieces: dict[int, list[pa.Table]] = {}
+        for i, (shard, worker) in enumerate(zip(shards, workers)):
+            if len(shard) == 0:
+                continue
+            key = f"generate-{iteration}-{i}"
+            self._submit(i, worker, self.load_of(shard), generate_chunk_task, shard, weights,
+                         specs.gen, seed + i, self.cfg.tau_migrate, key, key=key)
+            pieces[i] = []
+        trainables, migrated, released = [], 0, []
+        for fut in self.ac:
+            i, worker = self.where.pop(fut.key)
+            self.pending[i].discard(fut.key)
+            self.load[worker] = WorkerProgress(0, 0, busy=False)
+            out = fut.result()
+            if isinstance(out, dict):  # a chunk: finished rows, and maybe a paused tail
+                pieces[i].append(out["done"])
+                if len(out["cut"]):
+                    migrated += self._handle_tail(i, worker, fut.key, out, weights, specs,
+                                                  seed, iteration)
+            else:
+                pieces[i].append(out)
+            if not self.pending[i]:
+                trainables.append(self._score(pieces[i], specs, iteration, i))
+            released += self._release_if_idle(worker, iteration)
+        facts = {"gen_workers": len(workers), "migrated_sequences": migrated,
+                 "released_during_generation": len(released),
+                 "generation_s": time.time() - started,
+                 "predicted_generation_s": decision.predicted_seconds}
+        return plan, trainables, facts
+
+    def load_of(self, rows: pa.Table, cut: pa.Table | None = None) -> WorkerProgress:
+        """Predicted work of a busy worker: every sequence unfinished, remaining tokens
+        from the predictor (minus what a cut sequence already generated)."""
+        per_seq = rows if cut is None else cut
+        n = self.cfg.n_samples if cut is None else 1
+        pids = per_seq.column("prompt_id").to_pylist()
+        plen = [len(p) for p in per_seq.column("prompt_ids").to_pylist()]
+        done = [0] * len(pids) if cut is None else [
+            len(p) for p in cut.column("partial_ids").to_pylist()]
+        seqs = [(f"{p}#{s}", L + d, max(1.0, self.pred_max[p] - d))
+                for p, L, d in zip(pids, plen, done) for s in range(n)]
+        return WorkerProgress(len(seqs), 0, [x[0] for x in seqs], [x[1] for x in seqs],
+                              [x[2] for x in seqs], busy=True)
+
+    def _submit(self, shard: int, worker: str, load: WorkerProgress, fn, *args, key: str):
+        fut = self.pc.client.submit(fn, *args, key=key, workers=[self.pc.address_of(worker)],
+                                    resources={"GEN": 1}, allow_other_workers=False, pure=False)
+        self.where[fut.key] = (shard, worker)
+        self.pending.setdefault(shard, set()).add(fut.key)
+        self.load[worker] = load
+        self.ac.add(fut)
+
+    def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
+                     seed: int, iteration: int) -> int:
+        """Resume a paused tail where it is, or move it: ``plan_migration`` decides."""
+        cut: pa.Table = out["cut"]
+        n_done = len(out["done"])
+        partial = cut.column("partial_ids").to_pylist()
+        ids = [seq_id(p, s) for p, s in zip(cut.column("prompt_id").to_pylist(),
+                                             cut.column("sample_idx").to_pylist())]
+        cur = [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
+        rem = [max(1.0, self.pred_max[seq.rsplit("#", 1)[0]] - len(g))
+               for seq, g in zip(ids, partial)]
+        self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
+        moves = [m for m in plan_migration(self.load, self.cfg.tau_migrate,
+                                           self.state.throughput,
+                                           lambda_cost=self.cfg.lambda_cost)
+                 if m.source == worker]
+        if not moves:
+            self._submit(shard, worker, self.load_of(cut, cut), resume_task, key, weights,
+                         specs.gen, key=f"resume-{iteration}-{shard}")
+            return 0
+        self.pc.client.submit(drop_task, key, workers=[self.pc.address_of(worker)],
+                              pure=False).result()
+        row_of = {seq: r for r, seq in enumerate(ids)}
+        for j, move in enumerate(moves):
+            part = cut.take(pa.array([row_of[s] for s in move.seq_ids], pa.int64()))
+            self._submit(shard, move.target, self.load_of(part, part), continue_task, part,
+                         weights, specs.gen, seed * 7919 + shard * 31 + j,
+                         key=f"continue-{iteration}-{shard}-{j}")
+            self.log(iteration, pool="gen", kind="migrate", source=worker, target=move.target,
+                     sequences=len(move.seq_ids), reason=move.reason,
+                     predicted_stay_s=move.stay_seconds, predicted_move_s=move.move_seconds)
+        return sum(len(m.seq_ids) for m in moves)
+
+    def _score(self, pieces: list[pa.Table], specs, iteration: int, shard: int):
+        rollouts = pa.concat_tables([p.replace_schema_metadata(None) for p in pieces])
+        stats = {k: str(v) for k, v in generation_metrics(pieces).items()}
+        client = self.pc.client
+        scored = client.submit(reward_task, rollouts.replace_schema_metadata(stats),
+                               specs.reward, key=f"reward-{iteration}-{shard}")
+        return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
+                             key=f"advantage-{iteration}-{shard}")
+
+    def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
+        """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:
+        until the busiest worker finishes, then through the update."""
+        if self.load[worker].busy or worker in {w for _, w in self.where.values()}:
+            return []
+        busy = [p for p in self.load.values() if p.busy]
+        remaining = max((self.state.throughput.predict_worker_seconds(
+            np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0)
+        gap = remaining + self.state.update_seconds
+        if gap <= self.keep_alive_s():
+            return []
+        retired = self.pc.retire([worker])
+        for name in retired:
+            self.load.pop(name, None)
+            self.log(iteration, pool="gen", kind="release", worker=name,
+                     reason=f"idle gap {gap:.2f}s > keep-alive {self.keep_alive_s():.2f}s")
+        return retired
+
+    def after_update(self, update_seconds: float, pieces_meta: list[dict]) -> None:
+        """Feed the models with what this iteration measured."""
+        s = self.state
+        s.update_seconds = 0.5 * s.update_seconds + 0.5 * update_seconds
+        for meta in pieces_meta:
+            steps = meta.get("decode_steps", 0)
+            if steps:
+                s.throughput.observe_decode(meta["decode_tokens"] / steps,
+                                            meta["decode_seconds"] / steps, n_steps=int(steps))
+            if meta.get("prefill_tokens") and meta.get("prefill_seconds"):
+                s.throughput.observe_prefill(meta["prefill_tokens"], meta["prefill_seconds"])
+        colds = self.pc.ledger.cold_starts("gen")
+        for cold in colds[s.seen_cold_starts:]:
+            s.throughput.observe_cold_start(cold)
+        s.seen_cold_starts = len(colds)
