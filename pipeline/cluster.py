@@ -99,17 +99,25 @@ class PoolCluster:
         """Retire those of ``names`` that no scheduler plugin vetoes (a worker running a task
         or holding state a waiting task needs stays); their results move to other workers
         first. Returns the names retired."""
+        self.sync_events()  # arrivals first, so that the ledger knows every worker
         allowed = self.client.run_on_scheduler(retirable, names=list(names))
         if allowed:
-            self.client.retire_workers(names=allowed, close_workers=True, remove=True)
+            # graceful: results the worker holds move to others; its nanny then stops it
+            self.client.retire_workers(names=allowed, close_workers=False, remove=False)
             for name in allowed:
                 self.cluster.worker_spec.pop(name, None)
-            self.cluster.sync(self.cluster._correct_state)
+            self.cluster.sync(self.cluster._correct_state)  # returns once the processes exit
+            stopped = time.time()
+            for name in allowed:
+                if name in self.ledger.running():
+                    self.ledger.worker_stopped(name, stopped)
         self.sync_events()
         return allowed
 
     def sync_events(self) -> None:
-        """Move the scheduler plugin's events into the ledger and ``task_events``."""
+        """Move the scheduler plugin's events into the ledger and ``task_events``. A worker
+        that leaves without being retired (it crashed, or the batch system ended it) stops
+        billing when the scheduler saw it go."""
         for kind, t, name, details in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
                 if name not in self.ledger.running():  # restarted by its nanny after a crash

@@ -147,6 +147,8 @@ class ElasticGeneration:
             if not self.pending[i]:
                 trainables.append(self._score(pieces[i], specs, iteration, i))
             released += self._release_if_idle(worker, iteration)
+        for worker in list(self.load):  # generation is over: the update is the idle gap
+            released += self._release_if_idle(worker, iteration)
         facts = {"gen_workers": len(workers), "migrated_sequences": migrated,
                  "released_during_generation": len(released),
                  "generation_s": time.time() - started,
@@ -212,10 +214,12 @@ class ElasticGeneration:
         rollouts = pa.concat_tables([p.replace_schema_metadata(None) for p in pieces])
         stats = {k: str(v) for k, v in generation_metrics(pieces).items()}
         client = self.pc.client
+        # on the trainer, so that generation workers are free to be released
         scored = client.submit(reward_task, rollouts.replace_schema_metadata(stats),
-                               specs.reward, key=f"reward-{iteration}-{shard}")
+                               specs.reward, key=f"reward-{iteration}-{shard}",
+                               resources={"TRAIN": 1})
         return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
-                             key=f"advantage-{iteration}-{shard}")
+                             key=f"advantage-{iteration}-{shard}", resources={"TRAIN": 1})
 
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:

@@ -52,6 +52,9 @@ class RunDir:
         tmp.write_text(json.dumps(obj, indent=1))
         os.replace(tmp, self.path / name)
 
+    def read_json(self, name: str):
+        return json.loads((self.path / name).read_text())
+
     def append_metrics(self, record: dict) -> None:
         self.append_jsonl("metrics.jsonl", record)
 

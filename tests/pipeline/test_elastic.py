@@ -1,0 +1,132 @@
+"""Elasticity on a real LocalCluster: cut-and-migrate, scale up/down, vetoes, the ledger."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhfless.ops.generate import SamplingParams
+from rlhfless.ops.load import read_prompts
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.workers import (
+    EngineSpec,
+    GenSpec,
+    continue_task,
+    drop_task,
+    generate_chunk_task,
+    resume_task,
+)
+from rlhfless.schedulers.ledger import CostLedger
+
+N_SAMPLES = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ledger = CostLedger({"gen": 1.0, "train": 1.0})
+    pools = [Pool("gen", 2, 1, {"GEN": 1}, "2GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
+    with PoolCluster(pools, ledger) as pc:
+        yield pc
+
+
+def _pairs(tables: list[pa.Table]) -> Counter:
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    return Counter(zip(table.column("prompt_id").to_pylist(),
+                       table.column("sample_idx").to_pylist()))
+
+
+def _setup(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 6)
+    spec = GenSpec(EngineSpec(str(tiny_model_dir)), N_SAMPLES,
+                   SamplingParams(max_new_tokens=24, temperature=1.0))
+    return shard, spec, WeightsRef(0, str(tiny_model_dir))
+
+
+@pytest.mark.parametrize("migrate", [False, True])
+def test_cut_then_resume_or_migrate_yields_each_sample_once(cluster, tiny_model_dir, migrate):
+    shard, spec, weights = _setup(tiny_model_dir)
+    a, b = (cluster.address_of(n) for n in cluster.worker_names("gen")[:2])
+    c = cluster.client
+    key = f"chunk-{migrate}"
+    out = c.submit(generate_chunk_task, shard, weights, spec, 1, 0.25, key, workers=[a],
+                   pure=False).result()
+    cut = out["cut"]
+    assert 0 < len(cut) < len(shard) * N_SAMPLES  # paused after a quarter finished
+    if migrate:
+        assert c.submit(drop_task, key, workers=[a], pure=False).result()
+        halves = [cut.slice(0, len(cut) // 2), cut.slice(len(cut) // 2)]
+        rest = [c.submit(continue_task, h, weights, spec, 7, workers=[b], pure=False).result()
+                for h in halves]
+        assert set(pa.concat_tables(rest).column("worker").to_pylist()) == {
+            cluster.worker_names("gen")[1]}
+    else:
+        rest = [c.submit(resume_task, key, weights, spec, workers=[a], pure=False).result()]
+    pairs = _pairs([out["done"], *rest])
+    assert len(pairs) == len(shard) * N_SAMPLES and set(pairs.values()) == {1}
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in rest])
+    partial = {(p, s): g for p, s, g in zip(cut.column("prompt_id").to_pylist(),
+                                             cut.column("sample_idx").to_pylist(),
+                                             cut.column("partial_ids").to_pylist())}
+    for p, s, ids, lps in zip(table.column("prompt_id").to_pylist(),
+                              table.column("sample_idx").to_pylist(),
+                              table.column("response_ids").to_pylist(),
+                              table.column("logprobs").to_pylist()):
+        assert ids[: len(partial[(p, s)])] == partial[(p, s)]  # continued, not restarted
+        assert len(ids) == len(lps) <= 24
+
+
+def test_worker_with_pinned_work_is_not_retired(cluster):
+    name = cluster.worker_names("gen")[0]
+    address = cluster.address_of(name)
+    c = cluster.client
+    running = c.submit(time.sleep, 1.5, workers=[address], resources={"GEN": 1}, pure=False)
+    queued = c.submit(time.sleep, 0.1, workers=[address], resources={"GEN": 1}, pure=False)
+    time.sleep(0.5)
+    assert cluster.retire([name]) == []  # busy, and a waiting task is pinned to it
+    assert name in cluster.worker_names("gen")
+    c.gather([running, queued])
+    del running, queued
+
+
+def test_ledger_agrees_with_measured_lifetime(cluster):
+    requested = time.time()
+    (name,) = cluster.grow("gen", 1)
+    cluster.client.submit(time.sleep, 2.0, workers=[cluster.address_of(name)],
+                          pure=False).result()
+    assert cluster.retire([name]) == [name]  # returns once the worker process has exited
+    gone = time.time()
+    cluster.sync_events()
+    life = next(r for r in cluster.ledger.records() if r["name"] == name)
+    billed = life["worker_s"]
+    measured = gone - requested
+    assert abs(billed - measured) <= 0.05 * measured, (billed, measured)
+
+
+def test_elastic_run_scales_and_loses_no_sample(tiny_model_dir, tmp_path):
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), iterations=2,
+                 batch_prompts=8, n_samples=3, max_new_tokens=16, heldout_prompts=8,
+                 eval_every=2, policy="elastic", gen_workers=2, lambda_cost=1.0,
+                 tau_migrate=0.5, keep_alive_s=0.0, train_threads=1)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    decisions = run.read_jsonl("decisions.jsonl")
+    kinds = Counter(d["kind"] for d in decisions)
+    assert kinds["scale"] == 2 and kinds["release"] >= 1  # keep-alive 0: released when idle
+    assert any(d["to"] > d["from"] for d in decisions if d["kind"] == "scale")
+    for it in (1, 2):
+        table = pq.read_table(run.path / "rollouts" / f"iter-{it:05d}.parquet")
+        pairs = Counter(zip(table.column("prompt_id").to_pylist(),
+                            table.column("sample_idx").to_pylist()))
+        assert len(pairs) == 24 and set(pairs.values()) == {1}
+        assert set(table.column("policy_version").to_pylist()) == {it - 1}
+    ledger = run.read_json("ledger.json")
+    assert ledger["totals"]["gen_worker_s"] > 0 and ledger["totals"]["train_worker_s"] > 0
