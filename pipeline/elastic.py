@@ -73,7 +73,7 @@ class ElasticGeneration:
     # ---- decisions ---------------------------------------------------------------------
 
     def log(self, iteration: int, **record) -> dict:
-        record = {"t": time.time(), "iteration": iteration, **record}
+        record = {"t": time.time(), "iteration": iteration} | record
         self.state.decisions.append(record)
         self.run.append_jsonl("decisions.jsonl", record)
         return record
@@ -101,11 +101,11 @@ class ElasticGeneration:
         elif n < len(warm):
             self.pc.retire(warm[n:])
         workers = self.pc.worker_names("gen")
-        self.log(iteration, pool="gen", kind="scale", **{"from": len(warm), "to": len(workers)},
-                 reason=f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
-                 predicted_s=decision.predicted_seconds,
-                 predicted_worker_s=decision.predicted_cost_ws)
-        return decision, workers
+        record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),
+                  "to": len(workers), "reason": f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
+                  "predicted_s": decision.predicted_seconds,
+                  "predicted_worker_s": decision.predicted_cost_ws}
+        return decision, workers, record
 
     # ---- one iteration -----------------------------------------------------------------
 
@@ -115,7 +115,7 @@ class ElasticGeneration:
         future of a trainable table per shard, and generation facts for the metrics."""
         started = time.time()
         plan = plan_prefixes(batch, self.cfg.n_samples, self.cfg.min_prefix)
-        decision, workers = self.scale_pool(plan.prompts, iteration)
+        decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
         ids = plan.prompts.column("prompt_id").to_pylist()
         self.pred_max = dict(zip(ids, self.state.predictor.predict_max(ids)))
@@ -147,6 +147,13 @@ class ElasticGeneration:
             if not self.pending[i]:
                 trainables.append(self._score(pieces[i], specs, iteration, i))
             released += self._release_if_idle(worker, iteration)
+        ended = time.time()
+        self.pc.sync_events()
+        ledger = self.pc.ledger
+        scale_record |= {"actual_s": ended - started, "actual_worker_s":
+                         ledger.worker_seconds("gen", until=ended)
+                         - ledger.worker_seconds("gen", until=started)}
+        self.log(iteration, **scale_record)
         for worker in list(self.load):  # generation is over: the update is the idle gap
             released += self._release_if_idle(worker, iteration)
         facts = {"gen_workers": len(workers), "migrated_sequences": migrated,
