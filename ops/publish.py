@@ -4,7 +4,8 @@ The trainer publishes each new version as one safetensors file in the run's weig
 (``<store>/v<version>.safetensors``), written to a temporary name and renamed, so a reader
 never sees half a file. A generation worker compares its engine's version with the version
 its task needs and fetches the newer weights before generating; in synchronous mode that
-makes generating from stale weights impossible (``require_version``).
+makes generating from stale weights impossible, and in async mode it bounds how stale they
+may be (``require_version``). Async mode keeps at least ``max_staleness + 2`` versions.
 
 Files rather than scatter: they work unchanged on a laptop and on an HPC shared file system,
 and a worker that joins late (elastic scale-up) finds every version where it expects it.
@@ -71,7 +72,16 @@ def load_weights(model: torch.nn.Module, ref: WeightsRef) -> None:
         )
 
 
-def require_version(have: int, need: int, where: str) -> None:
-    """Synchronous mode: a worker may only generate from exactly the version asked for."""
-    if have != need:
+def require_version(have: int, need: int, where: str, max_staleness: int = 0) -> None:
+    """A worker may generate from version ``need`` or, in async mode, from one at most
+    ``max_staleness`` versions older; never from a newer one. ``need`` is the version of the
+    trainer that will consume the samples. Synchronous mode (``max_staleness=0``): exactly
+    ``need``."""
+    if max_staleness < 0:
+        raise ValueError(f"{where}: max_staleness must be >= 0, got {max_staleness}")
+    if need - max_staleness <= have <= need:
+        return
+    if max_staleness == 0:
         raise RuntimeError(f"{where}: engine holds policy v{have} but the task needs v{need}")
+    raise RuntimeError(f"{where}: engine holds policy v{have} but the task allows "
+                       f"v{max(0, need - max_staleness)}..v{need} (max_staleness={max_staleness})")

@@ -336,3 +336,22 @@ def reward_summary(scored: pa.Table) -> dict:
     mean = pc.mean(scored.column("reward")).as_py()
     errors = scored.num_rows - scored.column("reward_error").null_count
     return {"reward_mean": float(mean or 0.0), "reward_errors": int(errors)}
+
+
+ERROR_KINDS = {  # reward_error prefix -> metric counting it (any other error: "raised")
+    "timeout after": "reward_timeouts",
+    "non-finite reward": "reward_nonfinite",
+    "non-numeric reward": "reward_nonnumeric",
+}
+
+
+def reward_error_counts(scored: pa.Table) -> dict[str, int]:
+    """Failed reward calls by kind: ``reward_timeouts`` (past the time limit),
+    ``reward_nonfinite`` (NaN or inf), ``reward_nonnumeric`` and ``reward_raised`` (the call
+    raised, or there was no response text); they sum to ``reward_errors``."""
+    check_columns(scored, pa.schema([SCORED.field("reward_error")]), "reward_error_counts")
+    counts = dict.fromkeys([*ERROR_KINDS.values(), "reward_raised"], 0)
+    for error in scored.column("reward_error").drop_null().to_pylist():
+        kind = next((m for p, m in ERROR_KINDS.items() if error.startswith(p)), "reward_raised")
+        counts[kind] += 1
+    return counts

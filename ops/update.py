@@ -12,6 +12,11 @@ belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
 ``micro_batch_tokens`` padded tokens and their gradients accumulated, so memory is bounded by
 the budget, not by the batch. ``epochs`` > 1 reuses the batch (PPO-style) with the ratio
 correcting for the drift.
+
+Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
+the trainer's own log-probabilities before this update (the proximal policy, recorded at the
+first epoch) and each token's loss is weighted by ``min(pi_prox / pi_behaviour, tis_cap)``;
+``ops/offpolicy.py`` states the objective and a hand-checkable example.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from .offpolicy import clipped_pg
 from .schema import TRAINABLE, check_columns
 
 
@@ -33,6 +39,7 @@ class UpdateParams:
     micro_batch_tokens: int = 8192
     max_grad_norm: float = 1.0
     epochs: int = 1
+    tis_cap: float | None = None  # off-policy batches: cap of the TIS weight; None: on-policy
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -103,18 +110,21 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     micro = [[keep[j] for j in mb] for mb in pack_micro_batches(lengths, params.micro_batch_tokens)]
     model.train()
     totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
+    if params.tis_cap is not None:
+        totals |= {"tis_weight_mean": 0.0, "tis_truncated_frac": 0.0}
+    prox: dict[int, torch.Tensor] = {}  # micro-batch -> proximal logprobs [B, T] (epoch 0)
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
-        for mb in micro:
+        for k, mb in enumerate(micro):
             ids, attn, scored = _collate([prompts[i] for i in mb], [responses[i] for i in mb],
                                          pad_id, device)
             old = _scatter_rows([behaviour[i] for i in mb], scored)  # [B, T]
             adv = torch.tensor([advantages[i] for i in mb], device=device)[:, None]  # [B, 1]
             logp = token_logprobs(model, ids, attn, params.temperature)
-            ratio = torch.exp(logp - old)
-            clipped = ratio.clamp(1 - params.clip_eps, 1 + params.clip_eps)
-            pg = -torch.minimum(ratio * adv, clipped * adv)
-            per_token = pg
+            if params.tis_cap is not None and k not in prox:  # no step yet: the trainer's own
+                prox[k] = logp.detach()
+            terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(k), params.tis_cap)
+            pg = per_token = terms.loss
             if params.kl_coef > 0:
                 with torch.no_grad():
                     ref = token_logprobs(ref_model, ids, attn, params.temperature)
@@ -126,9 +136,11 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
             loss.backward()
             totals["loss"] += loss.item() / params.epochs
             totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
-            clip_hit = (ratio - clipped).abs() > 1e-6
-            totals["clip_frac"] += clip_hit[scored].sum().item() / n_tokens / params.epochs
-            totals["ratio_mean"] += ratio[scored].sum().item() / n_tokens / params.epochs
+            for key, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
+                               ("tis_weight_mean", terms.weight),
+                               ("tis_truncated_frac", terms.truncated)):
+                if key in totals:
+                    totals[key] += value[scored].sum().item() / n_tokens / params.epochs
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
         optimizer.step()
     model.eval()

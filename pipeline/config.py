@@ -10,19 +10,24 @@ to a bare string. The ``[rewards]`` table maps a ``data_source`` to a built-in v
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import tomllib
+from dask.utils import parse_timedelta
+
+from .security import check_security
 
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
-    "mode": ("sync",),
+    "mode": ("sync", "async", "replay"),
     "policy": ("static", "elastic"),
     "assignment": ("length", "round_robin"),
-    "backend": ("hf",),
-    "cluster": ("local",),
+    "backend": ("hf", "vllm"),
+    "cluster": ("local", "slurm", "pbs"),
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
     "on_long_prompt": ("error", "truncate", "skip"),
@@ -40,6 +45,9 @@ class Config:
     runs_dir: str = "runs"
     seed: int = 0
     iterations: int = 30
+    checkpoint_every: int = 5  # iterations between checkpoints (and one after the last)
+    keep_checkpoints: int = 2  # whole checkpoints kept on disk, newest first
+    max_recoveries: int = 3  # trainer losses a run recovers from before it gives up
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
     dataset: str = ""  # prompts for RL; empty: the tiny task's train split
@@ -69,9 +77,17 @@ class Config:
     share_prefixes: bool = True
     min_prefix: int = 4  # shortest token prefix worth sharing across prompts
     # execution
-    mode: str = "sync"
+    mode: str = "sync"  # sync | async (bounded staleness) | replay (experience replay)
+    max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
+    tis_cap: float = 2.0  # async, replay: cap of the importance weight pi_prox / pi_behaviour
+    replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
+    replay_max_age: int = 2  # replay: a group older than this many versions is not replayed
+    replay_size: int = 64  # replay: the most groups the buffer holds
+    max_wall_s: float = 0.0  # stop after the iteration that ends past this (0: no limit)
+    keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"
-    backend: str = "hf"
+    backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
+    colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
     cluster: str = "local"
     device: str = "auto"
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
@@ -87,6 +103,19 @@ class Config:
     worker_memory: str = "4GiB"
     scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
     dashboard_address: str = "127.0.0.1:0"
+    security: dict[str, Any] = field(default_factory=dict)  # [security]: TLS (security.py)
+    # batch jobs (cluster = "slurm" | "pbs"): one job per worker, per-pool directives
+    queue: str = ""  # Slurm partition / PBS queue; empty: the site's default
+    account: str = ""  # charged account (-A); empty: the site's default
+    walltime: str = "01:00:00"  # of every job; workers leave before it (worker_lifetime)
+    worker_lifetime: str = ""  # dask worker --lifetime, e.g. "55m"; empty: 90% of walltime
+    interface: str = ""  # network interface of scheduler and workers, e.g. "ib0"
+    job_prologue: list[str] = field(default_factory=list)  # shell lines, e.g. "module load cuda"
+    gen_gpus: int = 0  # GPUs per generation job (--gres=gpu:N)
+    train_gpus: int = 0  # GPUs of the trainer's job
+    gen_job_directives: list[str] = field(default_factory=list)  # e.g. ["--constraint=a100"]
+    train_job_directives: list[str] = field(default_factory=list)
+    job_start_timeout_s: float = 600.0  # a job not running a worker by then is an error
 
     def __post_init__(self) -> None:
         for key, allowed in CHOICES.items():
@@ -114,6 +143,39 @@ class Config:
             raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
         if self.algorithm == "rloo" and self.n_samples < 2:
             raise ConfigError("n_samples must be >= 2 for algorithm = 'rloo'")
+        if self.gen_gpus < 0 or self.train_gpus < 0:
+            raise ConfigError("gen_gpus and train_gpus must be >= 0")
+        if not 0 < self.job_start_timeout_s < math.inf:
+            raise ConfigError(f"job_start_timeout_s = {self.job_start_timeout_s} must be a "
+                              "number of seconds > 0")
+        try:
+            walltime_seconds(self.walltime)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        try:
+            lifetime = parse_timedelta(self.worker_lifetime or "0s")
+        except (ValueError, KeyError):
+            raise ConfigError(f"worker_lifetime = {self.worker_lifetime!r}: use a duration "
+                              "such as '55m' or '3300s'") from None
+        if lifetime >= walltime_seconds(self.walltime):
+            raise ConfigError(f"worker_lifetime = {self.worker_lifetime!r} must be shorter than "
+                              f"walltime = {self.walltime!r}: workers leave before the batch "
+                              "system ends their jobs")
+        for key, least in (("checkpoint_every", 1), ("keep_checkpoints", 1),
+                           ("max_recoveries", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"{key} = {getattr(self, key)} must be >= {least}")
+        try:
+            check_security(self.security)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        check_mode(self)
+        if self.backend == "vllm" and self.top_p < 1:
+            raise ConfigError(f"top_p = {self.top_p} with backend = 'vllm': its logprobs are "
+                              "renormalised over the nucleus, the trainer's are not; use 1")
+        if self.backend == "vllm" and self.policy == "elastic":
+            raise ConfigError("backend = 'vllm' runs with policy = 'static': the elastic "
+                              "policy pauses and migrates the hf decode loop mid-batch")
 
     @property
     def run_dir(self) -> Path:
@@ -123,17 +185,60 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def check_mode(cfg: Config) -> None:
+    """The knobs of the async and replay modes (pipeline/modes.py)."""
+    if cfg.max_staleness < 0 or cfg.mode == "async" and cfg.max_staleness < 1:
+        raise ConfigError(f"max_staleness = {cfg.max_staleness} must be >= 1 with mode = "
+                          "'async' (0 is mode = 'sync')")
+    if not cfg.tis_cap >= 1:
+        raise ConfigError(f"tis_cap = {cfg.tis_cap} must be >= 1 (an on-policy token weighs 1)")
+    if not 0 <= cfg.replay_ratio < 1:
+        raise ConfigError(f"replay_ratio = {cfg.replay_ratio} must be in [0, 1): every batch "
+                          "generates at least one prompt")
+    for key in ("replay_max_age", "replay_size", "keep_weights"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key} = {getattr(cfg, key)} must be >= 1")
+    if cfg.max_wall_s < 0:
+        raise ConfigError(f"max_wall_s = {cfg.max_wall_s} must be >= 0 (0: no limit)")
+
+
+def walltime_seconds(walltime: str) -> int:
+    """Seconds of a Slurm/PBS walltime: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", walltime.strip())
+    if not m:
+        raise ValueError(f"walltime = {walltime!r}: use HH:MM:SS, MM:SS, MM or D-HH:MM:SS")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, mi, s = a, b or 0, c or 0
+        return ((days * 24 + h) * 60 + mi) * 60 + s
+    if c is not None:
+        return (a * 60 + b) * 60 + c
+    if b is not None:
+        return a * 60 + b
+    return a * 60
+
+
 def _coerce(key: str, value: Any, kind: Any) -> Any:
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} must be a finite number")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind in (str, int, float, bool):
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise ConfigError(f"{key} = {value!r} must be of type {kind.__name__}")
         return value
+    if getattr(kind, "__origin__", None) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} = {value!r} must be a list of strings")
+        return list(value)
+    if kind == dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table")
+        return dict(value)
     want = float if "float" in str(kind) else str
     if not isinstance(value, dict) or not all(
         isinstance(v, want) or want is float and isinstance(v, int) for v in value.values()
-    ):
+    ) or want is float and not all(math.isfinite(v) for v in value.values()):
         raise ConfigError(f"{key} = {value!r} must be a table of {want.__name__} values")
     return {k: want(v) for k, v in value.items()}
 
@@ -160,12 +265,14 @@ def make_config(values: dict[str, Any]) -> Config:
     return Config(**checked)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read ``path`` (TOML, optional) and apply ``key=value`` overrides on top of it."""
-    values: dict[str, Any] = {}
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                base: dict[str, Any] | None = None) -> Config:
+    """Read ``path`` (TOML, optional) over ``base`` (plain values, e.g. a saved run's
+    config.json) and apply ``key=value`` overrides on top."""
+    values: dict[str, Any] = dict(base or {})
     if path is not None:
         try:
-            values = tomllib.loads(Path(path).read_text())
+            values |= tomllib.loads(Path(path).read_text())
         except FileNotFoundError as err:
             raise ConfigError(f"config file {path} does not exist") from err
         except tomllib.TOMLDecodeError as err:

@@ -102,7 +102,8 @@ class ElasticGeneration:
             self.pc.retire(warm[n:])
         workers = self.pc.worker_names("gen")
         record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),
-                  "to": len(workers), "reason": f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
+                  "to": len(workers), "prompts": len(ids),
+                  "reason": f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
                   "predicted_s": decision.predicted_seconds,
                   "predicted_worker_s": decision.predicted_cost_ws}
         return decision, workers, record

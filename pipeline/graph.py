@@ -35,6 +35,11 @@ from .workers import (
 )
 
 STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
+# one colour per stage, shared by the rendered graph and the report's plots
+STAGE_COLOURS = {
+    "dedup": "#8dd3c7", "shard": "#ffffb3", "generate": "#fb8072", "reward": "#80b1d3",
+    "advantage": "#fdb462", "update": "#b3de69", "publish": "#bc80bd",
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,11 @@ def _shard_plan(plan: PrefixPlan, n_shards: int) -> list[pa.Table]:
 
 def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   gen: GenSpec, reward: RewardSpec, *, seed: int, min_prefix: int,
-                  tag: str = "") -> tuple[Delayed, list[Delayed]]:
-    """dedup → shard → generate → reward for ``prompts``; returns (plan, scored shards)."""
+                  tag: str = "", target_version: int | None = None,
+                  ) -> tuple[Delayed, list[Delayed]]:
+    """dedup → shard → generate → reward for ``prompts``; returns (plan, scored shards).
+    ``target_version``: the trainer version that consumes them (async mode; see
+    ``generate_task``)."""
     it = f"{tag}{iteration}"
     plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
                                   dask_key_name=f"{tag}dedup-{it}")
@@ -64,22 +72,34 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     for i in range(n_shards):
         with dask.annotate(resources={"GEN": 1}):
             rollouts = delayed(generate_task)(shards[i], weights, gen, seed * 100_003 + i,
+                                              target_version,
                                               dask_key_name=f"{tag}generate-{it}-{i}")
         scored.append(delayed(reward_task)(rollouts, reward, dask_key_name=f"{tag}reward-{it}-{i}"))
     return plan, scored
+
+
+def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
+                    gen: GenSpec, reward: RewardSpec, *, algorithm: str, seed: int,
+                    min_prefix: int, target_version: int | None = None,
+                    ) -> tuple[Delayed, list[Delayed]]:
+    """``rollout_graph`` → advantage: returns (plan, one trainable table per shard)."""
+    plan, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
+                                 seed=seed, min_prefix=min_prefix,
+                                 target_version=target_version)
+    trainables = [
+        delayed(advantage_task)(s, algorithm, gen.n_samples,
+                                dask_key_name=f"advantage-{iteration}-{i}")
+        for i, s in enumerate(scored)
+    ]
+    return plan, trainables
 
 
 def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, train: TrainSpec, *, algorithm: str,
                     seed: int, min_prefix: int) -> IterationGraph:
     """The graph of one synchronous iteration, producing version ``weights.version + 1``."""
-    plan, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
-                                 seed=seed, min_prefix=min_prefix)
-    trainables = [
-        delayed(advantage_task)(s, algorithm, gen.n_samples,
-                                dask_key_name=f"advantage-{iteration}-{i}")
-        for i, s in enumerate(scored)
-    ]
+    plan, trainables = trainable_graph(prompts, weights, iteration, n_shards, gen, reward,
+                                       algorithm=algorithm, seed=seed, min_prefix=min_prefix)
     with dask.annotate(resources={"TRAIN": 1}):
         metrics = delayed(update_task)(trainables, weights, train,
                                        dask_key_name=f"update-{iteration}")

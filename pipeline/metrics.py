@@ -7,6 +7,7 @@ first start to last stop, ``busy`` the sum over that stage's tasks.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -14,13 +15,13 @@ import pyarrow as pa
 from dask.utils import key_split
 
 from rlhfless.ops.advantage import advantage_summary
-from rlhfless.ops.reward import reward_summary
+from rlhfless.ops.reward import reward_error_counts, reward_summary
 
 
 def rollout_metrics(scored: pa.Table) -> dict:
     """Reward and response-length statistics of a scored (or trainable) table."""
     lengths = np.array([len(r) for r in scored.column("response_ids").to_pylist()], float)
-    out = reward_summary(scored)
+    out = reward_summary(scored) | reward_error_counts(scored)
     if len(lengths):
         mean = float(lengths.mean())
         out |= {
@@ -44,6 +45,25 @@ def generation_metrics(tables: list[pa.Table]) -> dict:
         for key, value in (table.schema.metadata or {}).items():
             totals[key.decode()] += float(value)
     return dict(totals)
+
+
+def iteration_record(iteration: int, version: int, started: float, plan,
+                     trainables: list[pa.Table], update: dict,
+                     stream: list[dict]) -> tuple[dict, pa.Table]:
+    """The metrics record of one iteration that trained policy ``version`` on the shards
+    ``trainables`` (prefill savings from the dedup ``plan``, stage seconds from the task
+    ``stream``), and the shards as one table."""
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
+    gen = generation_metrics(trainables)
+    record = {
+        "iteration": iteration, "policy_version": version, "time": time.time(),
+        "iteration_s": time.time() - started, "samples": len(table),
+        "prefill_tokens_naive": plan.naive_prefill_tokens,
+        "prefill_tokens_planned": plan.planned_prefill_tokens,
+        "prefill_tokens_saved": plan.naive_prefill_tokens - gen.get("prefill_tokens", 0),
+        **gen, **rollout_metrics(table), **update, **stage_seconds(stream),
+    }
+    return record, table
 
 
 def stage_seconds(task_stream: list[dict]) -> dict:

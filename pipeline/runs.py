@@ -4,11 +4,16 @@
     metrics.jsonl        one JSON object per iteration (and per held-out evaluation)
     decisions.jsonl      every scaling, migration and release decision (elastic policy)
     ledger.json          worker-seconds and cost per pool, per iteration, per worker
+    dashboard.json       the Dask dashboard link, and whether the run has ended
+    report.html          ``rlhfless report`` (plots beside it, in report/)
+    tb/                  TensorBoard scalars, when tensorboard is installed
     rollouts/iter-N.parquet   every sample of iteration N
     weights/vN.safetensors    the newest published policy versions
+    checkpoints/iter-N/       zarr v3 checkpoints, committed atomically (checkpoint.py)
 
 Files are written to a temporary name and renamed into place, so a reader never mistakes
-a partial file for a whole one.
+a partial file for a whole one. Every metrics record is also handed to ``listeners`` (a
+notebook's live plot, TensorBoard), in the order appended.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,6 +33,7 @@ from .config import Config
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.listeners: list[Callable[[dict], None]] = []
 
     @classmethod
     def create(cls, cfg: Config, overwrite: bool = False) -> RunDir:
@@ -57,6 +64,8 @@ class RunDir:
 
     def append_metrics(self, record: dict) -> None:
         self.append_jsonl("metrics.jsonl", record)
+        for listener in self.listeners:
+            listener(record)
 
     def append_jsonl(self, name: str, record: dict) -> None:
         with (self.path / name).open("a") as f:

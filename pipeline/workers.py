@@ -6,39 +6,46 @@ globals below keep each worker process's model warm across tasks and iterations.
 task on a worker loads the model (the *cold start*, measured and returned with the rollouts);
 later tasks only fetch newer weights. Each worker pins torch to its share of the cores.
 
-* generation workers (resource ``GEN``) hold ``_ENGINE``: policy + tokenizer + version;
-* the trainer (resource ``TRAIN``) holds ``_TRAINER``: policy, optimizer, frozen reference.
+* generation workers (resource ``GEN``) hold ``_ENGINE``: a generation backend (hf or
+  vllm, ``ops/backend.py``) holding the policy at some version;
+* the trainer (resource ``TRAIN``) holds ``_TRAINER``: policy, optimizer, frozen reference,
+  and the token the driver tagged it with; it writes and reads its own part of a checkpoint
+  (``save_trainer_task``, ``restore_trainer_task``; why: ``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import random
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import torch
 from distributed import get_worker
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from rlhfless.ops.advantage import compute_advantages
+from rlhfless.ops.backend import GenerationBackend, HFBackend, make_backend
 from rlhfless.ops.generate import (
     Decoding,
     GenerationStats,
     SamplingParams,
     expand_samples,
-    generate_rollouts,
     prefill_continuations,
     prefill_prompts,
     prefix_lens_of,
     rollouts_table,
     run_decoding,
 )
-from rlhfless.ops.publish import WeightsRef, load_weights, publish_weights, require_version
+from rlhfless.ops.offpolicy import check_staleness
+from rlhfless.ops.publish import WeightsRef, publish_weights, require_version
 from rlhfless.ops.reward import VERIFIERS, score
+from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
+
+from .checkpoint import read_trainer, write_trainer
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class EngineSpec:
     model_path: str
     device: str = "auto"
     threads: int = 1
+    backend: str = "hf"  # generation backend (ops/backend.py): "hf" | "vllm"
+    colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class GenSpec:
     n_samples: int
     sampling: SamplingParams
     share_prefixes: bool = True
+    max_staleness: int = 0  # async: versions the engine may lag the consuming trainer
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class TrainSpec:
     update: UpdateParams
     store: str  # directory of published weights
     keep_versions: int = 2
+    max_staleness: int = 0  # oldest sample the update accepts, in versions behind the trainer
 
 
 @dataclass
@@ -80,27 +91,16 @@ class Engine:
     load_seconds: float
 
 
-_ENGINE: dict[str, Engine] = {}
+_ENGINE: dict[str, GenerationBackend] = {}
 _TRAINER: dict[str, object] = {}
 _PAUSED: dict[str, tuple[Decoding, pa.Table, float]] = {}  # chunk key -> paused decoding
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def load_engine(spec: EngineSpec) -> Engine:
     """Model (bf16 on CUDA, fp32 on CPU) and tokenizer from a Hugging Face directory."""
-    started = time.perf_counter()
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(spec.threads)
-    device = _device(spec.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    return Engine(model, tokenizer, 0, time.perf_counter() - started)
+    hf = HFBackend(spec.model_path, spec.device, spec.threads)
+    hf.load()
+    return Engine(hf.model, hf.tokenizer, 0, hf.load_seconds)
 
 
 def _worker_name() -> str:
@@ -110,28 +110,45 @@ def _worker_name() -> str:
         return "local"
 
 
-def _generation_engine(spec: EngineSpec, weights: WeightsRef) -> tuple[Engine, float]:
-    """This worker's engine at ``weights.version``, and the cold-start seconds paid now."""
+def _generation_engine(spec: EngineSpec,
+                       weights: WeightsRef) -> tuple[GenerationBackend, float]:
+    """This worker's engine (awake) at ``weights.version``, and the cold-start seconds paid
+    now. The call order is the backend protocol's (ops/backend.py)."""
     cold = 0.0
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
-        engine = _ENGINE[spec.model_path] = load_engine(spec)
+        engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
+                              colocate=spec.colocate)
+        engine.load()
+        _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds
+    engine.wake()
     if engine.version != weights.version:
-        load_weights(engine.model, weights)
-        engine.version = weights.version
+        engine.set_weights(weights)
     return engine, cold
 
 
-def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> pa.Table:
-    """Rollouts of one shard; run statistics travel in the table's schema metadata."""
+def _hf_engine(spec: EngineSpec, weights: WeightsRef) -> tuple[HFBackend, float]:
+    """The engine of a task that drives the decode loop itself (chunked generation)."""
+    engine, cold = _generation_engine(spec, weights)
+    if not isinstance(engine, HFBackend):
+        raise TypeError(f"chunked generation (policy = 'elastic') needs backend 'hf', "
+                        f"not {spec.backend!r}")
+    return engine, cold
+
+
+def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int,
+                  target_version: int | None = None) -> pa.Table:
+    """Rollouts of one shard; run statistics travel in the table's schema metadata.
+    ``target_version``: the trainer version that will consume them (default: ``weights``'),
+    which ``weights`` may lag by up to ``spec.max_staleness`` versions."""
     engine, cold = _generation_engine(spec.engine, weights)
-    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    need = weights.version if target_version is None else target_version
+    require_version(engine.version, need, f"worker {_worker_name()}", spec.max_staleness)
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
-    table, stats = generate_rollouts(
-        engine.model, engine.tokenizer, shard, spec.n_samples, params,
-        policy_version=engine.version, worker=_worker_name(), share_prefixes=spec.share_prefixes,
-    )
+    table, stats = engine.generate(shard, spec.n_samples, params, worker=_worker_name(),
+                                   share_prefixes=spec.share_prefixes)
+    engine.sleep()  # colocated engines free the device for the trainer
     return _with_stats(table, stats, cold)
 
 
@@ -169,7 +186,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     """Generate a shard until ``until_finished`` of its sequences are done; the rest stay
     paused on this worker under ``key`` (KV cache and all) until ``resume_task`` or
     ``drop_task``. Returns ``{"done": rollouts, "cut": unfinished rows}``."""
-    engine, cold = _generation_engine(spec.engine, weights)
+    engine, cold = _hf_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {_worker_name()}")
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
     stats, start = GenerationStats(), time.time()
@@ -188,7 +205,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
 def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> pa.Table:
     """Finish the paused decoding ``key`` here, with its KV cache (the *stay* side)."""
     dec, rows, start = _PAUSED.pop(key)
-    engine, _ = _generation_engine(spec.engine, weights)
+    engine, _ = _hf_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {_worker_name()}")
     tail = dec.live.tolist()
     stats = GenerationStats()
@@ -208,7 +225,7 @@ def drop_task(key: str) -> bool:
 def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> pa.Table:
     """Continue sequences cut on another worker, recomputing their prefix (the *move*
     side of cut-and-migrate)."""
-    engine, cold = _generation_engine(spec.engine, weights)
+    engine, cold = _hf_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {_worker_name()}")
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
     stats, start = GenerationStats(), time.time()
@@ -245,7 +262,7 @@ def reward_task(rollouts: pa.Table, spec: RewardSpec) -> pa.Table:
 
 def advantage_task(scored: pa.Table, algorithm: str, n_samples: int) -> pa.Table:
     if len(scored) == 0:
-        return scored.append_column("advantage", pa.array([], pa.float32()))
+        return scored.append_column(TRAINABLE.field("advantage"), pa.array([], pa.float32()))
     trainable = compute_advantages(scored, algorithm, n_samples=n_samples)
     return trainable.replace_schema_metadata(scored.schema.metadata)
 
@@ -267,11 +284,13 @@ def _trainer(spec: TrainSpec) -> dict:
 
 
 def update_task(trainables: list[pa.Table], weights: WeightsRef, spec: TrainSpec) -> dict:
-    """One policy update on the concatenated shards; returns the metrics."""
+    """One policy update on the concatenated shards; returns the metrics. Every row must
+    come from a version at most ``spec.max_staleness`` behind the trainer's."""
     state = _trainer(spec)
     engine: Engine = state["engine"]
     require_version(engine.version, weights.version, "trainer")
     batch = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
+    check_staleness(batch, engine.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
     metrics = update_policy(engine.model, state["optimizer"], batch, spec.update,
                             engine.tokenizer.pad_token_id, ref_model=state["ref"])
@@ -286,3 +305,50 @@ def publish_task(metrics: dict, spec: TrainSpec, version: int) -> WeightsRef:
     ref = publish_weights(engine.model, spec.store, version, keep=spec.keep_versions)
     engine.version = version
     return ref
+
+
+# ---- checkpoints: the trainer writes and reads its own state (see checkpoint.py) ---------
+
+def _seed_process(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def start_trainer_task(spec: TrainSpec, seed: int, token: str) -> int:
+    """Load the trainer if this process has none, seed its RNGs and tag it with ``token``
+    (the driver's name for this trainer's life); returns its policy version."""
+    state = _trainer(spec)
+    _seed_process(seed)
+    state["token"] = token
+    return state["engine"].version
+
+
+def trainer_token_task(spec: TrainSpec) -> str | None:
+    """The token of this process's trainer: None after a restart (a new process)."""
+    state = _TRAINER.get(spec.engine.model_path)
+    return None if state is None else state.get("token")
+
+
+def save_trainer_task(spec: TrainSpec, path: str, token: str) -> dict:
+    """Write weights, optimizer and RNG of the trainer tagged ``token`` under ``path``.
+    A restarted trainer (another token) refuses: its state is not the run's."""
+    state = _TRAINER.get(spec.engine.model_path)
+    if state is None or state.get("token") != token:
+        raise RuntimeError(f"trainer on {_worker_name()} is not the trainer {token} of this "
+                           "run (it restarted); its state cannot be checkpointed")
+    started = time.perf_counter()
+    n = write_trainer(path, state["engine"].model, state["optimizer"])
+    return {"version": state["engine"].version, "bytes": n,
+            "seconds": time.perf_counter() - started}
+
+
+def restore_trainer_task(spec: TrainSpec, path: str, token: str) -> int:
+    """Load the checkpoint at ``path`` into this process's trainer (loading the model first
+    if needed; the frozen reference stays the initial model) and tag it with ``token``;
+    returns the restored policy version."""
+    state = _trainer(spec)
+    engine: Engine = state["engine"]
+    engine.version = read_trainer(path, engine.model, state["optimizer"])
+    state["token"] = token
+    return engine.version

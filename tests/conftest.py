@@ -1,4 +1,5 @@
-"""Shared fixtures: a small tiny-model build (few warm-start steps) cached per session."""
+"""Shared fixtures: a small tiny-model build (few warm-start steps) cached per session, and
+one finished elastic run that the report, TensorBoard and notebook tests read."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def quick_recipe():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("cache"), QUICK_RECIPE, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """A real two-iteration run of the elastic policy on a LocalCluster: metrics, rollouts,
+    decisions, ledger, dashboard record (and TensorBoard scalars when installed)."""
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.loop import train
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path_factory.mktemp("runs")),
+                 name="finished", iterations=2, batch_prompts=8, n_samples=3,
+                 max_new_tokens=16, heldout_prompts=8, eval_every=1, policy="elastic",
+                 gen_workers=2, lambda_cost=1.0, keep_alive_s=0.0, train_threads=1)
+    return train(cfg, progress=False, log=lambda *_: None).path

@@ -19,6 +19,7 @@ from rlhfless.ops.reward import (
     exact_reward,
     final_answer,
     math_reward,
+    reward_error_counts,
     reward_summary,
     score,
 )
@@ -191,6 +192,8 @@ def test_failures_are_recorded_per_sample(release: threading.Event) -> None:
     assert errors[6] == "timeout after 0.3s"
     assert [errors[i] for i in (2, 7, 8, 9)] == [None] * 4
     assert reward_summary(scored) == {"reward_mean": pytest.approx(-2.5 / 10), "reward_errors": 6}
+    assert reward_error_counts(scored) == {"reward_timeouts": 1, "reward_nonfinite": 2,
+                                           "reward_nonnumeric": 2, "reward_raised": 1}
 
 
 def test_null_answer_and_null_response_are_sample_errors() -> None:

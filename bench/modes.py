@@ -1,0 +1,172 @@
+"""Sync vs async vs replay at the same wall-clock budget: throughput and held-out accuracy.
+
+Each mode trains the embedded tiny model with the same seeds, data order and pools (one
+LocalCluster per run, all of one configuration) for ``--budget-s`` seconds of training
+(``max_wall_s``: the iteration that crosses the budget still finishes). With ``--repeats 2``
+the runs go sync, async, replay, replay, async, sync, so that a drift in the machine's load
+weighs on every mode alike; throughput and accuracy are averaged over the repeats.
+
+Every published version is kept. Afterwards, on one cluster and outside the timed runs, the
+version each run had reached at a few common wall times and sample counts is evaluated on
+the same held-out prompts (greedy decoding, as the training loop's evaluation).
+
+Throughput is samples trained (fresh and replayed) per second of training, from the first
+iteration's start to the last one's end. ``amdahl_bound_vs_sync`` is the most each mode could
+gain on the sync runs' own stage times, with no contention: async hides generation behind
+everything else, ``t / max(g, t - g)``; replay removes the replayed share r of it,
+``t / (t - r g)`` (t: sync seconds per iteration, g: its generation seconds).
+
+The default pools give the generation pool and the trainer a core each (``--gen-workers 1
+--train-threads 1``), the disaggregated setting that async and replay address: a synchronous
+run leaves one pool idle while the other works. ``--lr 5e-4``: training at the default 2e-3
+oscillates on the tiny task, which would make accuracy at equal time a coin toss. Prints one
+JSON line.
+
+    python bench/modes.py [--budget-s 90] [--repeats 2] [--gen-workers 1] [--train-threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from statistics import mean
+
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.pipeline.cluster import PoolCluster, pools_from_config
+from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.loop import evaluate, load_prompt_sets, make_specs, resolve_model, train
+from rlhfless.pipeline.runs import RunDir
+from rlhfless.schedulers.ledger import CostLedger
+
+MODES = ("sync", "async", "replay")
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
+    return Config(name=name, runs_dir=runs_dir, mode=mode, seed=args.seed, lr=args.lr,
+                  iterations=100_000, max_wall_s=args.budget_s, eval_every=100_000,
+                  checkpoint_every=100_000, keep_weights=100_000, heldout_prompts=args.heldout,
+                  policy=args.policy, gen_workers=args.gen_workers,
+                  train_threads=args.train_threads, batch_prompts=args.batch_prompts,
+                  n_samples=args.n_samples, max_staleness=args.max_staleness,
+                  replay_ratio=args.replay_ratio)
+
+
+def run_once(name: str, mode: str, args, runs_dir: str) -> dict:
+    """Train ``mode`` for the budget; per iteration: seconds since training started,
+    samples trained so far, the version it published, and its record."""
+    load = os.getloadavg()[0]
+    run = train(make_cfg(name, mode, args, runs_dir), progress=False, log=lambda *_: None)
+    records = [m for m in run.metrics() if m.get("event") == "iteration"]
+    start = records[0]["time"] - records[0]["iteration_s"]
+    points, samples = [], 0
+    for m in records:
+        samples += m["samples"]
+        points.append({"t": m["time"] - start, "samples": samples,
+                       "version": m["policy_version"] + 1})
+    n = len(records)
+    return {"weights": run.weights, "points": points, "loadavg_1m": load,
+            "iterations": n, "samples": samples, "samples_per_s": samples / points[-1]["t"],
+            "s_per_iteration": points[-1]["t"] / n,
+            "generate_s_per_iteration": sum(m.get("generate_wall_s", 0.0) for m in records) / n,
+            "update_s_per_iteration": sum(m.get("update_wall_s", 0.0) for m in records) / n,
+            "staleness_mean": mean(m.get("staleness_mean", 0.0) for m in records),
+            "replayed_frac": sum(m.get("replayed_samples", 0) for m in records) / samples}
+
+
+def version_at(points: list[dict], key: str, limit: float) -> int:
+    """The newest version published by the time ``key`` reached ``limit`` (0: none yet)."""
+    return max([p["version"] for p in points if p[key] <= limit], default=0)
+
+
+def accuracy_of(runs: list[dict], wanted: set[tuple[int, int]], args,
+                runs_dir: str) -> dict[tuple[int, int], float]:
+    """Held-out accuracy of each (run index, version), on one cluster."""
+    cfg = make_cfg("eval", "sync", args, runs_dir)
+    model_path = resolve_model(cfg, log=lambda *_: None)
+    _, heldout, _ = load_prompt_sets(cfg, model_path)
+    specs = make_specs(cfg, model_path, RunDir(Path(runs_dir) / "eval"))
+    out: dict[tuple[int, int], float] = {}
+    with PoolCluster(pools_from_config(cfg), CostLedger(cfg.prices)) as pc:
+        start = evaluate(pc, heldout, WeightsRef(0, str(model_path)), specs, cfg)
+        for key in sorted(wanted):
+            i, version = key
+            ref = (WeightsRef(0, str(model_path)) if version == 0 else
+                   WeightsRef(version, str(runs[i]["weights"] / f"v{version}.safetensors")))
+            out[key] = (start if version == 0 else evaluate(pc, heldout, ref, specs, cfg)
+                        )["heldout_accuracy"]
+    return out
+
+
+def summarize(mode: str, runs: list[dict], at: list[dict], accuracy: dict, walls: list[float],
+              counts: list[int]) -> dict:
+    """The mean over ``mode``'s runs of their numbers and accuracy curves."""
+    mine = [i for i, r in enumerate(runs) if r["mode"] == mode]
+    out = {key: round(mean(runs[i][key] for i in mine), 3) for key in (
+        "samples_per_s", "iterations", "s_per_iteration", "generate_s_per_iteration",
+        "update_s_per_iteration", "staleness_mean", "replayed_frac", "loadavg_1m")}
+    out["samples_per_s_each_run"] = [round(runs[i]["samples_per_s"], 2) for i in mine]
+    for kind, xs in (("wall", walls), ("samples", counts)):
+        out[f"accuracy_vs_{kind}"] = [
+            [round(x), round(mean(accuracy[i, at[i][kind][k]] for i in mine), 4)]
+            for k, x in enumerate(xs)]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget-s", type=float, default=90.0)
+    parser.add_argument("--repeats", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--gen-workers", type=int, default=1)
+    parser.add_argument("--train-threads", type=int, default=1)
+    parser.add_argument("--batch-prompts", type=int, default=32)
+    parser.add_argument("--n-samples", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--policy", choices=("static", "elastic"), default="static")
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--replay-ratio", type=float, default=0.5)
+    parser.add_argument("--heldout", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    ensure_tiny_model(log=lambda *_: None)  # build outside the timed runs
+    started = time.time()
+    order = [*MODES, *reversed(MODES)][: len(MODES) * args.repeats]
+    with tempfile.TemporaryDirectory() as runs_dir:
+        runs = [run_once(f"{mode}-{i}", mode, args, runs_dir) | {"mode": mode}
+                for i, mode in enumerate(order)]
+        walls = [f * args.budget_s for f in FRACTIONS]
+        counts = [int(f * min(r["samples"] for r in runs)) for f in FRACTIONS]
+        at = [{"wall": [version_at(r["points"], "t", w) for w in walls],
+               "samples": [version_at(r["points"], "samples", s) for s in counts]} for r in runs]
+        wanted = {(0, 0)} | {(i, v) for i, a in enumerate(at) for vs in a.values() for v in vs}
+        accuracy = accuracy_of(runs, wanted, args, runs_dir)
+    modes = {mode: summarize(mode, runs, at, accuracy, walls, counts) for mode in MODES}
+    sync = modes["sync"]
+    t, g = sync["s_per_iteration"], sync["generate_s_per_iteration"]
+    print(json.dumps({
+        "bench": "modes", "budget_s": args.budget_s, "repeats": args.repeats,
+        "policy": args.policy, "gen_workers": args.gen_workers,
+        "train_threads": args.train_threads, "batch_prompts": args.batch_prompts,
+        "n_samples": args.n_samples, "lr": args.lr, "max_staleness": args.max_staleness,
+        "replay_ratio": args.replay_ratio, "heldout_prompts": args.heldout,
+        "accuracy_at_start": accuracy[0, 0],
+        "modes": modes,
+        "throughput_ratio_vs_sync": {m: round(modes[m]["samples_per_s"] / sync["samples_per_s"],
+                                              3) for m in MODES[1:]},
+        "accuracy_at_budget_minus_sync": {
+            m: round(modes[m]["accuracy_vs_wall"][-1][1] - sync["accuracy_vs_wall"][-1][1], 4)
+            for m in MODES[1:]},
+        "amdahl_bound_vs_sync": {
+            "async": round(t / max(g, t - g), 3),
+            "replay": round(t / (t - modes["replay"]["replayed_frac"] * g), 3)},
+        "bench_s": round(time.time() - started),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Simulator speed and the headline figures, as one JSON line.
+
+    python bench/simulate.py [--iterations 100] [--prompts 1024] [--samples 8] [--gpus 160]
+
+Times the simulation of ``--iterations`` iterations of ``--prompts`` x ``--samples`` on
+``--gpus`` H100s with Llama2-70B (the RLHFless paper's simulated setting) under our full
+elastic policy (length prediction, scaling, assignment, cut-and-migrate), trace generation
+included. Then simulates the paper's two settings (``rlhfless simulate`` without a scenario,
+no sweeps) and reports our speedup and GPU-second reduction vs the verl-like baseline, with
+the paper's figures beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from rlhfless.pipeline.simulate import paper_scenarios, run_scenario
+from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.sim_policy import ELASTIC
+from rlhfless.schedulers.simulator import ClusterConfig, simulate
+from rlhfless.schedulers.workloads import GSM8K, synthetic_trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--prompts", type=int, default=1024)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--gpus", type=int, default=160)
+    args = parser.parse_args(argv)
+    workload = dataclasses.replace(GSM8K, iterations=args.iterations,
+                                   batch_prompts=args.prompts, n_samples=args.samples)
+    profile = get_profile("Llama2-70B@H100")
+    started = time.perf_counter()
+    result = simulate(synthetic_trace(workload), profile, ClusterConfig(args.gpus), ELASTIC)
+    seconds = time.perf_counter() - started
+    summary = result.summary()
+    headline = {}
+    for sc in paper_scenarios():
+        row = next(r for r in run_scenario(sc, sweeps=False)["table"]
+                   if r["label"] == "rlhfless (ours)")
+        headline[sc.name] = {
+            "speedup": round(row["speedup"], 3), "paper_speedup": sc.paper["speedup"],
+            "gpu_s_reduction": round(row["gpu_s_reduction"], 3),
+            "paper_gpu_s_reduction": sc.paper["reduction"]}
+    print(json.dumps({
+        "bench": "simulate", "iterations": args.iterations, "prompts": args.prompts,
+        "samples": args.samples, "gpus": args.gpus, "profile": profile.name,
+        "policy": ELASTIC.name, "seconds": round(seconds, 2),
+        "ms_per_iteration": round(1e3 * seconds / args.iterations, 1),
+        "simulated_step_s": round(summary["step_s"], 2),
+        "migrations": summary["migrations"], "headline": headline}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The generation backend protocol, and its transformers implementation.
+
+A generation worker holds one backend in worker-local state (``pipeline/workers.py``) and
+drives it in this order:
+
+    backend = make_backend("hf" | "vllm", model_path, ...)
+    backend.load()                          once: the worker's cold start, measured
+    loop over tasks:
+        backend.wake()                      colocated engines only: memory back first
+        if backend.version != task version:
+            backend.set_weights(ref)        in place; resets the prefix cache
+        table, stats = backend.generate(prompts, n_samples, params, worker=...)
+        backend.sleep()                     colocated: free the device for the trainer
+
+``generate`` returns one row per (prompt, sample), prompt-major, in ``schema.ROLLOUTS``
+(every prompt column kept), with the behaviour policy's log-probability of each sampled
+token, and a ``GenerationStats``. A backend never serves KV computed by older weights:
+``set_weights`` resets whatever prefix cache it keeps.
+
+``HFBackend`` is our own decode loop (``generate.py``) over a transformers causal LM: the
+shared-prefix KV is computed per call and dropped with it, so it keeps no cache between
+calls, and sleeping is not needed on CPU. ``VLLMBackend`` (``vllm_backend.py``) is imported
+only when asked for, so that vLLM stays an optional dependency.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from .generate import GenerationStats, SamplingParams, generate_rollouts
+from .publish import WeightsRef, load_weights
+
+BACKENDS = ("hf", "vllm")
+
+
+class GenerationBackend(ABC):
+    """A generation engine on one worker; see the module docstring for the call order."""
+
+    #: policy version of the weights the engine holds (0: as loaded from ``model_path``)
+    version: int = 0
+    #: seconds ``load`` took (the cold start), 0 before it ran
+    load_seconds: float = 0.0
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load model and tokenizer. Called once per worker process, before anything else;
+        may take long (weights, device memory, compilation): the caller measures it."""
+
+    @abstractmethod
+    def set_weights(self, ref: WeightsRef) -> None:
+        """Replace the weights in place with version ``ref.version`` (a published file, or
+        the model directory for version 0) and reset the prefix cache. Called before a
+        ``generate`` whose task needs another version than ``version``."""
+
+    @abstractmethod
+    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
+                 worker: str = "local",
+                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+        """``n_samples`` responses to every prompt (``prompt_ids``; ``prefix_len`` when
+        ``share_prefixes``), with behaviour logprobs; rows prompt-major. ``params.seed``
+        makes the draw reproducible on one backend and device."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix KV. Called by ``set_weights``; may be called any time
+        no request is running."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Release device memory (weights offloaded, KV dropped) if the engine shares its
+        device with the trainer; otherwise nothing. Called after every ``generate``."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Undo ``sleep``; nothing when awake. Called before ``set_weights``/``generate``."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self):
+        """The tokenizer (``pad_token_id``, ``eos_token_id``, ``batch_decode``)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class HFBackend(GenerationBackend):
+    """transformers model + our decode loop; bf16 on CUDA, fp32 on CPU, torch pinned to
+    ``threads`` (each worker's share of the cores). ``model`` is public: the elastic policy's
+    chunked generation (pause at τ, resume or migrate) drives the decode loop directly."""
+
+    def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1) -> None:
+        self.model_path, self.device_name, self.threads = str(model_path), device, threads
+        self.model: torch.nn.Module | None = None
+        self._tokenizer = None
+
+    def load(self) -> None:
+        started = time.perf_counter()
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(self.threads)
+        device = resolve_device(self.device_name)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=dtype).to(device).eval()
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.load_seconds = time.perf_counter() - started
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def set_weights(self, ref: WeightsRef) -> None:
+        load_weights(self._loaded(), ref)
+        self.version = ref.version
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to reset: prefix KV lives only inside one ``generate`` call."""
+
+    def sleep(self) -> None:
+        """Nothing to release: the hf engine is not colocated with the trainer."""
+
+    def wake(self) -> None:
+        """Never asleep."""
+
+    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
+                 worker: str = "local",
+                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+        return generate_rollouts(self._loaded(), self._tokenizer, prompts, n_samples, params,
+                                 policy_version=self.version, worker=worker,
+                                 share_prefixes=share_prefixes)
+
+    def _loaded(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError(f"HFBackend({self.model_path}): call load() first")
+        return self.model
+
+
+def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
+                 colocate: bool = False) -> GenerationBackend:
+    """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
+    engine shares its device with the trainer and sleeps between rollouts (vllm)."""
+    if name == "hf":
+        return HFBackend(model_path, device, threads)
+    if name == "vllm":
+        from .vllm_backend import VLLMBackend  # optional dependency: only when asked for
+
+        return VLLMBackend(model_path, colocate=colocate)
+    raise ValueError(f"backend {name!r}: choose one of {BACKENDS}")

@@ -1,0 +1,359 @@
+"""Checkpoints: a run's whole state in one zarr v3 store per iteration, committed atomically.
+
+    runs/<name>/checkpoints/
+        iter-00012/                      a zarr v3 group; its attributes: iteration, policy
+            zarr.json                    version, data position, ledger totals, model path
+            trainer/model/<tensor>       weights (bf16 bit-exact as uint16, fp32 as is)
+            trainer/optimizer/<param>/   AdamW exp_avg, exp_avg_sq, step; param_groups
+            trainer/rng/                 torch / numpy / python RNG of the trainer process
+            driver/rng/                  the same for the driver
+            driver/predictor/            LengthPredictor.state_dict()
+            driver/throughput/           ThroughputModel.state_dict()
+            tables/<name>.parquet        Arrow tables the driver keeps (a replay buffer)
+            COMMITTED                    written last: every file above and its size
+        .tmp-iter-00013-<pid>/           a checkpoint being written; never read
+
+Commit: everything is written under ``.tmp-…``, every file and directory fsync'ed, then the
+``COMMITTED`` manifest is written and fsync'ed, and the directory renamed to ``iter-N`` (atomic
+on one file system) and the parent fsync'ed. A checkpoint is *whole* when its manifest exists,
+parses, and every file it lists has its size; ``latest`` returns the newest whole one and says
+why it passed over the others (a crash mid-write, a truncated copy), so a half-written
+checkpoint is never loaded. ``prune`` keeps the newest ``keep`` whole ones and removes the rest.
+
+Who writes what: the trainer worker writes ``trainer/`` itself (``workers.save_trainer_task``),
+the driver the root attributes, ``driver/`` and ``tables/``. Weights and optimizer state are
+three times the model in fp32; shipping them through the scheduler to the driver would double
+the traffic and hold them twice in memory, while the trainer shares the file system with the
+driver on a LocalCluster and on HPC (published weights already rely on that).
+
+Loading never unpickles: zarr metadata and the manifest are JSON, chunks raw bytes, tables
+Parquet. ``export_hf`` writes any checkpoint as a Hugging Face ``save_pretrained`` directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import zarr
+from transformers import AutoModelForCausalLM
+
+from .zarr_state import (
+    get_tensors,
+    get_tree,
+    load_model_tensors,
+    load_optimizer,
+    model_tensors,
+    put_optimizer,
+    put_rng,
+    put_tensors,
+    put_tree,
+    set_rng,
+)
+
+FORMAT = "rlhfless-checkpoint"
+FORMAT_VERSION = 1
+MARKER = "COMMITTED"
+FSYNC_THREADS = 8  # concurrent fsyncs while committing
+_NAME = re.compile(r"iter-(\d+)")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+@dataclass
+class DriverState:
+    """What the driver restores: where the run was, and what its policy had learned."""
+
+    iteration: int
+    policy_version: int
+    sampler_position: int  # prompts consumed so far (PromptSampler.position)
+    predictor: dict[str, Any]  # LengthPredictor.state_dict()
+    throughput: dict[str, Any]  # ThroughputModel.state_dict()
+    update_seconds: float = 1.0  # ElasticState.update_seconds
+    ledger_totals: dict[str, float] = field(default_factory=dict)
+    model_path: str = ""  # the Hugging Face directory the run started from
+    data_digest: str = ""  # fingerprint of the prompts the sampler draws from
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+
+
+def name_of(iteration: int) -> str:
+    return f"iter-{iteration:05d}"
+
+
+def iteration_of(path: str | Path) -> int | None:
+    m = _NAME.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+# ---- writing -----------------------------------------------------------------------------
+
+def begin(root: str | Path, iteration: int) -> Path:
+    """A fresh temporary directory for the checkpoint of ``iteration``, holding the (empty)
+    root group; the trainer and ``write_driver`` fill it, ``commit`` publishes it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name_of(iteration)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    zarr.open_group(tmp, mode="w", zarr_format=3).attrs.update(
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration})
+    return tmp
+
+
+def write_trainer(path: str | Path, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> int:
+    """Write the trainer's weights, optimizer state and RNG under ``path/trainer``; returns
+    the bytes of tensors written. Called in the trainer's process."""
+    group = zarr.open_group(path, mode="r+").create_group("trainer")
+    tensors = model_tensors(model)
+    put_tensors(group.create_group("model"), tensors)
+    put_optimizer(group.create_group("optimizer"), model, optimizer)
+    put_rng(group.create_group("rng"))
+    n = sum(t.numel() * t.element_size() for t in tensors.values())
+    return n + sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                   for t in s.values() if torch.is_tensor(t))
+
+
+def write_driver(path: str | Path, state: DriverState) -> None:
+    """Write the driver's part: root attributes, its RNG, predictor and throughput state and
+    its tables. Called in the driver's process."""
+    root = zarr.open_group(path, mode="r+")
+    root.attrs.update({
+        "iteration": state.iteration, "policy_version": state.policy_version,
+        "sampler_position": state.sampler_position, "update_seconds": state.update_seconds,
+        "ledger_totals": state.ledger_totals, "model_path": state.model_path,
+        "data_digest": state.data_digest, "tables": sorted(state.tables),
+        "written_unix": time.time(),
+    })
+    driver = root.create_group("driver")
+    put_rng(driver.create_group("rng"))
+    put_tree(driver.create_group("predictor"), state.predictor)
+    put_tree(driver.create_group("throughput"), state.throughput)
+    if state.tables:
+        (Path(path) / "tables").mkdir()
+    for name, table in state.tables.items():
+        pq.write_table(table, Path(path) / "tables" / f"{name}.parquet")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some platforms cannot fsync a directory; files are what matters
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> dict[str, int]:
+    """fsync every file and directory under ``root`` (a file: itself), concurrently so that
+    the file system can group the journal commits; returns each file's size by path."""
+    root = Path(root)
+    if root.is_file():
+        _fsync(root)
+        return {root.name: root.stat().st_size}
+    files, dirs = [], []
+    for directory, _, names in os.walk(root):
+        dirs.append(Path(directory))
+        files += [Path(directory) / n for n in names]
+    with ThreadPoolExecutor(FSYNC_THREADS) as pool:
+        list(pool.map(_fsync, files))
+        list(pool.map(_fsync, dirs))
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
+
+
+def commit(tmp: str | Path) -> Path:
+    """Make the checkpoint in ``tmp`` durable and visible as ``iter-N``; returns its path."""
+    tmp = Path(tmp)
+    iteration = int(zarr.open_group(tmp, mode="r").attrs["iteration"])
+    files = fsync_tree(tmp)
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
+                "files": dict(sorted(files.items()))}
+    with open(tmp / MARKER, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp)
+    final = tmp.parent / name_of(iteration)
+    if final.exists():  # a stale or partial one of the same iteration: replace it
+        old = tmp.parent / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync(tmp.parent)
+    return final
+
+
+# ---- finding and checking ----------------------------------------------------------------
+
+def problem(path: str | Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint, or None if it is."""
+    path = Path(path)
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} marker (written last): the checkpoint was not finished"
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable {MARKER} marker: {err}"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"{MARKER} is not an {FORMAT} manifest"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return (f"format version {manifest.get('format_version')!r}; this code reads "
+                f"{FORMAT_VERSION}")
+    for rel, size in manifest.get("files", {}).items():
+        p = path / rel
+        if not p.is_file():
+            return f"missing file {rel}"
+        if p.stat().st_size != size:
+            return f"file {rel} has {p.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """Every ``iter-N`` directory under ``root`` (whole or not), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and iteration_of(p) is not None]
+    return sorted(found, key=iteration_of)
+
+
+def latest(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest whole checkpoint under ``root`` (None if there is none), and one line for
+    every newer one passed over, saying why."""
+    skipped = []
+    for path in reversed(checkpoints(root)):
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{path}: {why}")
+    return None, skipped
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` whole checkpoints; remove older ones, partial ones and
+    leftover temporary directories. Returns what was removed."""
+    if keep < 1:
+        raise ValueError(f"prune: keep must be >= 1, got {keep}")
+    root = Path(root)
+    whole = [p for p in reversed(checkpoints(root)) if problem(p) is None]
+    doomed = whole[keep:] + [p for p in checkpoints(root) if p not in whole]
+    doomed += [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+# ---- reading -----------------------------------------------------------------------------
+
+def open_checkpoint(path: str | Path) -> zarr.Group:
+    """The root group of a whole checkpoint; ``ValueError`` naming the problem otherwise."""
+    why = problem(path)
+    if why is not None:
+        raise ValueError(f"checkpoint {path}: {why}")
+    return zarr.open_group(path, mode="r")
+
+
+def read_trainer(path: str | Path, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, restore_rng: bool = True) -> int:
+    """Load weights, optimizer state and (by default) the RNG of the trainer into this
+    process; returns the checkpoint's policy version."""
+    root = open_checkpoint(path)
+    load_model_tensors(model, get_tensors(root["trainer/model"]), f"checkpoint {path}")
+    load_optimizer(root["trainer/optimizer"], model, optimizer)
+    if restore_rng:
+        set_rng(root["trainer/rng"])
+    return int(root.attrs["policy_version"])
+
+
+def read_driver(path: str | Path, restore_rng: bool = True) -> DriverState:
+    """The driver's state of a whole checkpoint; by default also restores its RNG here."""
+    root = open_checkpoint(path)
+    a = root.attrs
+    if restore_rng:
+        set_rng(root["driver/rng"])
+    tables = {name: pq.read_table(Path(path) / "tables" / f"{name}.parquet")
+              for name in a.get("tables", [])}
+    return DriverState(
+        iteration=int(a["iteration"]), policy_version=int(a["policy_version"]),
+        sampler_position=int(a["sampler_position"]),
+        predictor=get_tree(root["driver/predictor"]),
+        throughput=get_tree(root["driver/throughput"]),
+        update_seconds=float(a["update_seconds"]), ledger_totals=dict(a["ledger_totals"]),
+        model_path=str(a["model_path"]), data_digest=str(a.get("data_digest", "")),
+        tables=tables)
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path,
+              model_dir: str | Path | None = None) -> Path:
+    """Write the policy of ``checkpoint`` as a Hugging Face model directory
+    (``save_pretrained`` layout, in the dtype the weights were trained in) with the tokenizer
+    files of ``model_dir`` (default: the model the run started from)."""
+    root = open_checkpoint(checkpoint)
+    model_dir = Path(model_dir or root.attrs["model_path"])
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"export_hf: {model_dir} has no config.json; pass the "
+                                "model directory the run started from as model_dir")
+    tensors = get_tensors(root["trainer/model"])
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    load_model_tensors(model, tensors, f"checkpoint {checkpoint}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+    return out
+
+
+def find(run_path: str | Path, iteration: int | None = None) -> Path:
+    """The whole checkpoint of ``iteration`` in the run at ``run_path`` (default: newest)."""
+    root = Path(run_path) / "checkpoints"
+    if iteration is None:
+        path, skipped = latest(root)
+        if path is None:
+            raise FileNotFoundError(f"no whole checkpoint under {root} "
+                                    f"({'; '.join(skipped) or 'none written'})")
+        return path
+    path = root / name_of(iteration)
+    why = problem(path) if path.is_dir() else "not on disk"
+    if why is not None:
+        kept = [iteration_of(p) for p in checkpoints(root) if problem(p) is None]
+        raise FileNotFoundError(f"checkpoint {path}: {why}; whole ones: {kept}")
+    return path
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    p.add_argument("run", help="the run directory (runs/<name>)")
+    p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest)")
+    p.add_argument("-o", "--output", required=True, help="directory to write")
+    p.add_argument("--model", help="model directory for config and tokenizer "
+                   "(default: the one the run started from)")
+
+
+def export_from_args(args) -> int:
+    try:
+        path = find(args.run, args.iteration)
+        out = export_hf(path, args.output, args.model)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"rlhfless: cannot export: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"checkpoint": str(path), "hf_model": str(out)}))
+    return 0

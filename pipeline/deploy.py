@@ -1,0 +1,233 @@
+"""Where the pools' workers run: processes on this machine, or Slurm / PBS batch jobs.
+
+A ``Deployment`` makes the one Dask ``SpecCluster`` that serves every pool, and turns a pool
+(``cluster.Pool``) into one ``worker_spec`` entry per worker. ``PoolCluster`` does the rest
+(naming workers ``<pool>-<i>``, growing, retiring, billing) the same way for every
+deployment, so the elastic policy scales batch jobs exactly as it scales local processes.
+
+* ``LocalDeployment``: a ``distributed.LocalCluster`` with no workers of its own; a pool's
+  worker is ``{"cls": Nanny, "options": ...}`` (threads, resources, memory, environment).
+* ``JobQueueDeployment``: a dask-jobqueue ``SLURMCluster`` or ``PBSCluster`` (SpecClusters
+  whose scheduler runs in this process); a pool's worker is one batch job of one worker
+  process, ``{"cls": SLURMJob | PBSJob, "options": job keywords}``, with per-pool directives:
+  cores = the pool's threads, its memory, ``--gres=gpu:N`` (Slurm) or ``ngpus=N`` (PBS) when
+  the pool asks for GPUs, the queue / partition, account and walltime, the pool's extra
+  directives, and the worker arguments ``--resources GEN=1`` (the pool's resources) and
+  ``--lifetime`` / ``--lifetime-stagger`` so that a worker leaves gracefully before the batch
+  system kills it at the walltime.
+
+Billing (``CostLedger``) starts when a job is submitted, queue wait included: the ledger is
+an upper bound of what the site charges. dask-jobqueue is imported only by the jobqueue
+deployment (the ``hpc`` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import parse_bytes, parse_timedelta
+from distributed import LocalCluster, Nanny, SpecCluster
+from distributed.security import Security
+
+from .config import Config, walltime_seconds
+from .security import make_security
+
+if TYPE_CHECKING:
+    from .cluster import Pool
+
+# what every worker of every pool is told through its environment
+WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+JOB_SYSTEMS = ("slurm", "pbs")
+
+
+class Deployment(ABC):
+    """Makes the cluster and the per-worker specs. ``make_cluster`` is called once, by
+    ``PoolCluster.__init__``; ``worker_spec`` every time a pool grows by one worker."""
+
+    #: seconds ``PoolCluster.grow`` waits for requested workers to connect (None: forever)
+    start_timeout_s: float | None = None
+    #: whether a worker that left unasked comes back by itself (a nanny restarts a crashed
+    #: local worker; a batch job that ended, at its walltime or lifetime, does not)
+    restarts_workers: bool = True
+
+    @abstractmethod
+    def make_cluster(self, plugins: list) -> SpecCluster:
+        """A SpecCluster with no workers whose scheduler runs ``plugins``."""
+
+    @abstractmethod
+    def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
+        """The ``worker_spec`` entry of worker ``name`` of ``pool``."""
+
+    def describe(self, cluster: SpecCluster, names: list[str]) -> str:
+        """A line about workers that did not connect in time, for the error message."""
+        return ""
+
+
+@dataclass(frozen=True)
+class LocalDeployment(Deployment):
+    host: str = "127.0.0.1"
+    dashboard_address: str = "127.0.0.1:0"
+    security: Security | None = None  # TLS of scheduler, workers and client (security.py)
+
+    def make_cluster(self, plugins: list) -> SpecCluster:
+        return LocalCluster(n_workers=0, processes=True, host=self.host,
+                            dashboard_address=self.dashboard_address, security=self.security,
+                            silence_logs=logging.WARNING,
+                            scheduler_kwargs={"plugins": plugins})
+
+    def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
+        return {"cls": Nanny, "options": {
+            "host": self.host, "security": self.security,  # listen where the scheduler does
+            "nthreads": pool.threads,
+            "resources": dict(pool.resources),
+            "memory_limit": pool.memory,
+            "silence_logs": logging.WARNING,
+            "env": {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV},
+        }}
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Site settings shared by every pool's jobs (config keys of the same names)."""
+
+    system: str  # "slurm" | "pbs"
+    queue: str = ""  # Slurm partition / PBS queue; empty: the site's default
+    account: str = ""
+    walltime: str = "01:00:00"
+    lifetime: str = ""  # dask worker --lifetime; empty: 90% of the walltime
+    prologue: tuple[str, ...] = ()  # shell lines before the worker starts
+    log_directory: str = ""  # job stdout/stderr; empty: the batch system's default
+    scheduler_host: str = "127.0.0.1"
+    interface: str = ""  # network interface of scheduler and workers (e.g. "ib0")
+    dashboard_address: str = "127.0.0.1:0"
+    python: str = field(default=sys.executable)
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.system not in JOB_SYSTEMS:
+            raise ValueError(f"job system {self.system!r}: choose one of {JOB_SYSTEMS}")
+        walltime_seconds(self.walltime)  # raises on a bad walltime
+        if self.lifetime:
+            parse_timedelta(self.lifetime)
+
+
+class JobQueueDeployment(Deployment):
+    """Every worker is one batch job; see the module docstring for the directives."""
+
+    restarts_workers = False
+
+    def __init__(self, settings: JobSettings, job_name_prefix: str = "rlhfless") -> None:
+        self.settings = settings
+        self.prefix = job_name_prefix
+        self.start_timeout_s = settings.start_timeout_s
+
+    def _jobqueue(self):
+        try:
+            import dask_jobqueue
+        except ImportError as err:
+            raise ImportError(
+                f"cluster = {self.settings.system!r} needs dask-jobqueue: "
+                "pip install 'rlhfless[hpc]'") from err
+        return dask_jobqueue
+
+    def _classes(self) -> tuple[type, type]:
+        jq = self._jobqueue()
+        if self.settings.system == "slurm":
+            return jq.SLURMCluster, jq.slurm.SLURMJob
+        return jq.PBSCluster, jq.pbs.PBSJob
+
+    def lifetime(self) -> tuple[str, str]:
+        """(--lifetime, --lifetime-stagger): leave before the walltime, not all at once."""
+        if self.settings.lifetime:
+            total = parse_timedelta(self.settings.lifetime)
+            return self.settings.lifetime, f"{max(1, int(total * 0.05))}s"
+        wall = walltime_seconds(self.settings.walltime)
+        return f"{int(wall * 0.9)}s", f"{max(1, int(wall * 0.05))}s"
+
+    def job_options(self, pool: Pool) -> dict[str, Any]:
+        """The job keywords of one worker of ``pool`` (dask-jobqueue ``Job`` arguments)."""
+        s = self.settings
+        lifetime, stagger = self.lifetime()
+        resources = ",".join(f"{k}={v:g}" for k, v in sorted(pool.resources.items()))
+        worker_args = ["--lifetime", lifetime, "--lifetime-stagger", stagger]
+        if resources:
+            worker_args = ["--resources", resources, *worker_args]
+        env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV}
+        options: dict[str, Any] = {
+            "cores": pool.threads,
+            "memory": pool.memory,
+            "processes": 1,
+            "walltime": s.walltime,
+            "job_name": f"{self.prefix}-{pool.name}",
+            "job_extra_directives": list(pool.directives),
+            "worker_extra_args": worker_args,
+            "job_script_prologue": [f"export {k}={v}" for k, v in env.items()] + list(s.prologue),
+            "python": s.python,
+        }
+        if s.queue:
+            options["queue"] = s.queue
+        if s.account:
+            options["account"] = s.account
+        if s.log_directory:
+            options["log_directory"] = s.log_directory
+        if s.interface:
+            options["interface"] = s.interface
+        if s.system == "slurm" and pool.gpus:
+            options["job_extra_directives"].insert(0, f"--gres=gpu:{pool.gpus}")
+        elif s.system == "pbs":
+            mem = self._jobqueue().pbs.pbs_format_bytes_ceil(parse_bytes(pool.memory))
+            gpus = f":ngpus={pool.gpus}" if pool.gpus else ""
+            options["resource_spec"] = f"select=1:ncpus={pool.threads}:mem={mem}{gpus}"
+        return options
+
+    def make_cluster(self, plugins: list) -> SpecCluster:
+        cluster_cls, _ = self._classes()
+        s = self.settings
+        scheduler: dict[str, Any] = {"dashboard_address": s.dashboard_address,
+                                     "plugins": plugins}
+        if s.interface:
+            scheduler["interface"] = s.interface
+        else:
+            scheduler["host"] = s.scheduler_host
+        # cores/memory here only validate the template; every pool brings its own
+        return cluster_cls(cores=1, memory="1GiB", processes=1, walltime=s.walltime,
+                           scheduler_options=scheduler, silence_logs=logging.WARNING,
+                           python=s.python)
+
+    def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
+        _, job_cls = self._classes()
+        return {"cls": job_cls, "options": self.job_options(pool)}
+
+    def job_script(self, pool: Pool, name: str | None = None,
+                   scheduler: str = "tcp://scheduler-address:8786") -> str:
+        """The batch script one worker of ``pool`` would be submitted with."""
+        _, job_cls = self._classes()
+        job = job_cls(scheduler, name=name or f"{pool.name}-0", **self.job_options(pool))
+        return job.job_script()
+
+    def describe(self, cluster: SpecCluster, names: list[str]) -> str:
+        jobs = {n: getattr(cluster.workers.get(n), "job_id", None) for n in names}
+        return (f"{self.settings.system} jobs {jobs} did not start a connected worker; "
+                f"check the queue and the job logs ({self.settings.log_directory or 'cwd'})")
+
+
+def deployment_from_config(cfg: Config, run_path: str | Path) -> Deployment:
+    """The deployment of ``cfg.cluster``; batch jobs log under ``<run>/jobs``."""
+    if cfg.cluster == "local":
+        return LocalDeployment(cfg.scheduler_host, cfg.dashboard_address,
+                               make_security(cfg.security))
+    if cfg.security:  # never drop a TLS requirement silently
+        raise ValueError(f"[security] applies to cluster = 'local'; for cluster = "
+                         f"{cfg.cluster!r} configure TLS in distributed's own config")
+    settings = JobSettings(
+        system=cfg.cluster, queue=cfg.queue, account=cfg.account, walltime=cfg.walltime,
+        lifetime=cfg.worker_lifetime, prologue=tuple(cfg.job_prologue),
+        log_directory=str(Path(run_path).resolve() / "jobs"),
+        scheduler_host=cfg.scheduler_host, interface=cfg.interface,
+        dashboard_address=cfg.dashboard_address, start_timeout_s=cfg.job_start_timeout_s)
+    return JobQueueDeployment(settings, job_name_prefix=f"rlhfless-{cfg.name}")

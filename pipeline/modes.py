@@ -1,0 +1,266 @@
+"""Async and replay modes: the training iteration as a producer–consumer pipeline of futures.
+
+``mode = "async"`` (AsyncFlow: bounded staleness). Update i trains on batch i at the
+trainer's version ``v_{i-1}``; batch i may come from any published version ``v_p`` with
+``i - 1 - p <= max_staleness``. ``ModeRunner.step(j)`` runs update j and, while it runs,
+keeps the generation pool busy with the next batches::
+
+    step j:  submit update j on batch j            (v_{j-1} -> v_j, on the trainer)
+             generate batches j+1 .. j+max_staleness with v_{j-1}   (on the generation pool)
+             wait for update j
+
+With ``max_staleness = 1`` this is one-step-off: while update k runs, batch k+1 is generated
+with ``v_{k-1}``. Reward and advantage of a shard start as soon as that shard is generated
+(the per-shard tasks of ``graph.trainable_graph``, or the elastic controller's streaming).
+
+``mode = "replay"`` (ReFlow: experience replay). Generation is synchronous, but each batch
+takes ``round(replay_ratio * batch_prompts)`` groups (at most ``batch_prompts - 1``) from a
+``ReplayBuffer`` of informative groups at most ``replay_max_age`` versions old and generates
+only the rest. Generation demand shrinks with it: the static graph's shards get fewer
+prompts, and the elastic policy sizes its pool from the prompts actually generated. After
+the update the fresh groups join the buffer.
+
+In both modes every row keeps the ``policy_version`` that generated it (replayed rows too);
+the trainer corrects with truncated importance sampling (``ops/offpolicy.py``, cap
+``tis_cap``); staleness is checked per sample on the trainer before the step
+(``update_task``) and here again, and recorded (``staleness_mean``, ``staleness_max``).
+Generation comes from the static graph (non-blocking futures) or from the elastic controller
+(blocking: the driver generates the next batch while the update runs on the trainer), so
+both scheduling policies work.
+
+Update j is submitted by step j and by nothing earlier, so between steps the trainer holds
+exactly the version the loop reports: checkpoints and trainer checks see a settled trainer.
+
+Checkpoint state: after every step the runner leaves its state in ``durable.tables`` (saved
+with each checkpoint): ``mode_state`` (one row: ``sampler_position``, the data position of
+the batches consumed so far, and ``iteration``) and, in replay mode, the buffer's
+``replay_rows`` and ``replay_groups`` (``ReplayBuffer.state_dict``). When the loop goes back
+to a checkpoint (resume, recovery), the next ``step`` sees the jump, drops the batches in
+flight and restores from ``durable.tables``; batches generated ahead are drawn again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from distributed import Future
+
+from rlhfless.ops.offpolicy import check_staleness
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.replay import ReplayBuffer
+
+from .config import Config
+from .graph import trainable_graph
+from .metrics import generation_metrics, iteration_record
+from .workers import publish_task, update_task
+
+if TYPE_CHECKING:
+    from .cluster import PoolCluster
+    from .elastic import ElasticGeneration
+    from .loop import PromptSampler, Specs
+    from .recovery import Durable
+
+
+def mode_specs(specs: Specs, cfg: Config) -> Specs:
+    """``specs`` for ``cfg.mode``: the staleness bounds of generation and update, the TIS
+    cap, and the published versions kept (an async batch may use one ``max_staleness``
+    versions old while newer ones are published)."""
+    gen_bound = cfg.max_staleness if cfg.mode == "async" else 0
+    train_bound = {"sync": 0, "async": cfg.max_staleness, "replay": cfg.replay_max_age}
+    update = specs.train.update
+    if cfg.mode != "sync":
+        update = dataclasses.replace(update, tis_cap=cfg.tis_cap)
+    train = dataclasses.replace(specs.train, update=update, max_staleness=train_bound[cfg.mode],
+                                keep_versions=max(cfg.keep_weights, gen_bound + 2))
+    return dataclasses.replace(specs, train=train,
+                               gen=dataclasses.replace(specs.gen, max_staleness=gen_bound))
+
+
+@dataclass
+class Job:
+    """One batch on its way through the pipeline."""
+
+    iteration: int
+    target: int  # the trainer version that consumes it
+    weights: WeightsRef  # the policy that generates it
+    prompts: int  # prompts generated fresh
+    replayed: list[pa.Table]  # groups from the replay buffer
+    plan: Any  # PrefixPlan, or its future
+    trainables: list[Future]  # one trainable table per shard
+    facts: dict  # the elastic controller's generation facts
+    submitted: float
+    position: int  # the sampler's position once this batch was drawn
+    keep: Any = None  # the scattered prompts, held while the graph needs them
+    update: Future | None = None
+    published: Future | None = None
+
+    def futures(self) -> list[Future]:
+        maybe = [self.plan, self.keep, *self.trainables, self.update, self.published]
+        return [f for f in maybe if isinstance(f, Future)]
+
+
+def _iteration_of(key) -> int | None:
+    """The iteration of a graph key (``generate-3-1`` → 3; evaluation keys → None)."""
+    name = str(key[0] if isinstance(key, tuple) else key)
+    head = name.partition("-")[2].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+class ModeRunner:
+    """Runs the iterations of the async and replay modes; see the module docstring."""
+
+    def __init__(self, cfg: Config, pc: PoolCluster, eg: ElasticGeneration, specs: Specs,
+                 sampler: PromptSampler, durable: Durable | None = None) -> None:
+        self.cfg, self.pc, self.specs, self.sampler, self.durable = cfg, pc, specs, sampler, durable
+        self.eg = eg if cfg.policy == "elastic" else None
+        self.ahead = cfg.max_staleness if cfg.mode == "async" else 0
+        self.buffer = self._new_buffer()
+        self.jobs: dict[int, Job] = {}
+        self.expected = self.next = 1  # the next step, and the next batch to generate
+        self.consumed = sampler.position  # data position of the batches trained so far
+        pc.client.get_task_stream(start=time.time())  # start recording task spans
+
+    def _new_buffer(self) -> ReplayBuffer | None:
+        if self.cfg.mode != "replay":
+            return None
+        return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed)
+
+    # ---- the loop's side ---------------------------------------------------------------
+
+    def step(self, iteration: int, weights: WeightsRef) -> tuple[dict, pa.Table, WeightsRef]:
+        """Train iteration ``iteration`` from ``weights`` (the trainer's current version);
+        returns its record, the rows generated for it, and the new weights."""
+        if iteration != self.expected:
+            self._restart(iteration)
+        started = time.time()
+        try:
+            self._generate_until(iteration, weights, iteration)
+            self._submit_update(self.jobs[iteration], weights)
+            self._generate_until(iteration + self.ahead, weights, iteration)
+            return self._finish(self.jobs.pop(iteration), weights, started)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of every batch in flight (the scheduler forgets what no one wants); the
+        next ``step`` starts over from the state."""
+        for job in self.jobs.values():
+            for future in job.futures():
+                future.release()
+        self.jobs.clear()
+        self.expected = 0
+
+    def state_dict(self) -> dict[str, pa.Table]:
+        """The runner's checkpoint tables (see the module docstring)."""
+        tables = {"mode_state": pa.table({"sampler_position": [self.consumed],
+                                          "iteration": [self.expected - 1]})}
+        if self.buffer is not None:
+            tables |= self.buffer.state_dict()
+        return tables
+
+    # ---- producer ----------------------------------------------------------------------
+
+    def _restart(self, iteration: int) -> None:
+        """Back to the state in ``durable.tables`` (a restored checkpoint's), at
+        ``iteration``."""
+        self.close()
+        self.expected = self.next = iteration
+        tables = self.durable.tables if self.durable is not None else {}
+        if "mode_state" in tables:
+            self.sampler.position = int(tables["mode_state"].column("sampler_position")[0])
+        self.consumed = self.sampler.position
+        self.buffer = self._new_buffer()
+        if self.buffer is not None and "replay_groups" in tables:
+            self.buffer.load_state_dict(tables)
+
+    def _generate_until(self, last: int, weights: WeightsRef, iteration: int) -> None:
+        """Start the batches up to ``last`` with ``weights``, the trainer's version at
+        ``iteration``: batch i is consumed at version ``weights.version + i - iteration``."""
+        while self.next <= min(last, self.cfg.iterations):
+            i = self.next
+            self.jobs[i] = self._generate(i, weights.version + i - iteration, weights)
+            self.next += 1
+
+    def _generate(self, i: int, target: int, weights: WeightsRef) -> Job:
+        replayed: list[pa.Table] = []
+        if self.buffer is not None:
+            want = min(round(self.cfg.replay_ratio * self.cfg.batch_prompts),
+                       self.cfg.batch_prompts - 1)
+            replayed = self.buffer.sample(want, target)
+        batch = self.sampler.next_batch(self.cfg.batch_prompts - len(replayed))
+        seed = self.cfg.seed * 1_000_003 + i
+        submitted, keep, facts = time.time(), None, {}
+        if self.eg is not None:  # blocking: overlaps the update already submitted
+            plan, trainables, facts = self.eg.run_generation(batch, weights, i, self.specs, seed)
+        else:
+            keep = self.pc.client.scatter(batch)
+            graph = trainable_graph(keep, weights, i, self.cfg.gen_workers, self.specs.gen,
+                                    self.specs.reward, algorithm=self.cfg.algorithm, seed=seed,
+                                    min_prefix=self.cfg.min_prefix, target_version=target)
+            plan, *trainables = self.pc.client.compute([graph[0], *graph[1]],
+                                                       optimize_graph=False)
+        return Job(i, target, weights, len(batch), replayed, plan, trainables, facts,
+                   submitted, self.sampler.position, keep)
+
+    # ---- consumer ----------------------------------------------------------------------
+
+    def _submit_update(self, job: Job, weights: WeightsRef) -> None:
+        if job.target != weights.version:
+            raise RuntimeError(f"iteration {job.iteration}: batch generated for trainer "
+                               f"v{job.target}, but the trainer is at v{weights.version}")
+        client = self.pc.client
+        extra = [pa.concat_tables(job.replayed)] if job.replayed else []
+        job.update = client.submit(update_task, [*job.trainables, *extra], weights,
+                                   self.specs.train, key=f"update-{job.iteration}",
+                                   resources={"TRAIN": 1})
+        job.published = client.submit(publish_task, job.update, self.specs.train,
+                                      weights.version + 1, key=f"publish-{job.iteration}",
+                                      resources={"TRAIN": 1})
+
+    def _finish(self, job: Job, weights: WeightsRef,
+                started: float) -> tuple[dict, pa.Table, WeightsRef]:
+        client = self.pc.client
+        plan, trainables, update, new_weights = client.gather(
+            [job.plan, job.trainables, job.update, job.published])
+        stream = [t for t in client.get_task_stream(start=job.submitted)
+                  if _iteration_of(t["key"]) == job.iteration]
+        record, fresh = iteration_record(job.iteration, weights.version, started, plan,
+                                         trainables, update, stream)
+        where = f"iteration {job.iteration}"
+        lags = [check_staleness(fresh, weights.version, self.ahead, where)]
+        if job.replayed:
+            replayed = pa.concat_tables(job.replayed)
+            lags.append(check_staleness(replayed, weights.version, self.cfg.replay_max_age,
+                                        f"{where} (replayed)"))
+        lag = np.concatenate(lags)
+        record |= {"samples": len(lag), "fresh_prompts": job.prompts,
+                   "fresh_samples": len(fresh), "replayed_groups": len(job.replayed),
+                   "replayed_samples": len(lag) - len(fresh),
+                   "generated_by": job.weights.version,
+                   "staleness_mean": float(lag.mean()), "staleness_max": int(lag.max()),
+                   **job.facts}
+        if self.eg is not None:
+            self.eg.after_update(update["update_seconds"],
+                                 [generation_metrics([t]) for t in trainables])
+        if self.buffer is not None:
+            self.buffer.add(fresh)
+            record["replay_buffer_groups"] = len(self.buffer)
+        self.expected, self.consumed = job.iteration + 1, job.position
+        if self.durable is not None:
+            self.durable.tables = {**self.durable.tables, **self.state_dict()}
+        return record, fresh, new_weights
+
+
+def make_runner(cfg: Config, pc: PoolCluster, eg: ElasticGeneration, specs: Specs,
+                sampler: PromptSampler, durable: Durable | None = None) -> ModeRunner | None:
+    """The runner of ``cfg.mode``; None in sync mode, whose iterations are
+    ``loop.run_iteration`` and ``loop.run_elastic_iteration``."""
+    if cfg.mode == "sync":
+        return None
+    return ModeRunner(cfg, pc, eg, specs, sampler, durable)

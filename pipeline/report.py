@@ -1,0 +1,198 @@
+"""``rlhfless report RUN``: one static HTML page about a run, its plots beside it.
+
+    rlhfless report runs/<name> [-o DIR]     # default DIR: runs/<name>/report/
+
+writes ``DIR/index.html`` and one PNG per figure (``plots.FIGURES``): reward and held-out
+accuracy, response-length distributions, seconds per stage, the worker timeline and the
+worker-seconds (GPU·s) per iteration; then tables of the cost ledger and the scaling
+decisions, and — while the run is live — a link to its Dask dashboard (``dashboard.json``,
+written by the training loop). A figure the run cannot show yet (no ``ledger.json`` before
+the run ends) is listed as such, never drawn empty. The page references its images by
+relative path, so the directory can be copied as a whole.
+
+``RunData.load`` is also what the notebooks plot from. matplotlib (the ``notebooks`` and
+``dev`` extras) is imported only when figures are drawn.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .observe import dashboard_status
+from .runs import RunDir
+
+SUMMARY_KEYS = ("algorithm", "policy", "mode", "cluster", "backend", "batch_prompts",
+                "n_samples", "max_new_tokens", "gen_workers", "lambda_cost", "tau_migrate")
+
+
+@dataclass
+class RunData:
+    """Everything a report or a notebook plots, read from a run directory."""
+
+    path: Path
+    config: dict[str, Any]
+    iterations: list[dict] = field(default_factory=list)  # metrics, event = "iteration"
+    evals: list[dict] = field(default_factory=list)  # metrics, event = "eval"
+    decisions: list[dict] = field(default_factory=list)
+    ledger: dict | None = None  # ledger.json: written when the run ends
+    lengths: dict[int, np.ndarray] = field(default_factory=dict)  # iteration -> tokens
+    dashboard: dict | None = None  # dashboard.json + "live"
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunData:
+        run = RunDir(path)
+        if not (run.path / "metrics.jsonl").exists():
+            raise FileNotFoundError(
+                f"{run.path}: not a run directory (no metrics.jsonl); give runs/<name>")
+        metrics = run.metrics()
+        config = run.read_json("config.json") if (run.path / "config.json").exists() else {}
+        data = cls(run.path, config,
+                   iterations=[m for m in metrics if m.get("event") == "iteration"],
+                   evals=[m for m in metrics if m.get("event") == "eval"],
+                   decisions=run.read_jsonl("decisions.jsonl"),
+                   dashboard=dashboard_status(run))
+        if (run.path / "ledger.json").exists():
+            data.ledger = run.read_json("ledger.json")
+        for f in sorted((run.path / "rollouts").glob("iter-*.parquet")):
+            column = pq.read_table(f, columns=["response_ids"]).column("response_ids")
+            data.lengths[int(f.stem.split("-")[1])] = pc.list_value_length(column).to_numpy(
+                zero_copy_only=False)
+        return data
+
+    @property
+    def live(self) -> bool:
+        return bool(self.dashboard and self.dashboard["live"])
+
+
+def ledger_rows(data: RunData) -> list[dict]:
+    """Per pool: workers started, worker-seconds, cold starts, cost (from ledger.json)."""
+    if not data.ledger:
+        return []
+    rows = []
+    prices = data.ledger.get("prices", {})
+    for pool in prices:
+        lives = [r for r in data.ledger["records"]
+                 if r["kind"] == "worker" and r["pool"] == pool]
+        colds = [r["cold_start_s"] for r in lives if r["cold_start_s"] is not None]
+        rows.append({"pool": pool, "workers started": len(lives),
+                     "worker·s": sum(r["worker_s"] or 0.0 for r in lives),
+                     "mean cold start s": float(np.mean(colds)) if colds else None,
+                     "price per worker·s": prices[pool],
+                     "cost": sum(r["cost"] or 0.0 for r in lives)})
+    return rows
+
+
+def decision_rows(data: RunData) -> list[dict]:
+    """The decision log with times relative to the first decision."""
+    if not data.decisions:
+        return []
+    t0 = min(d["t"] for d in data.decisions)
+    keep = ("iteration", "kind", "pool", "from", "to", "worker", "source", "target",
+            "sequences", "predicted_s", "actual_s", "predicted_worker_s", "actual_worker_s",
+            "reason")
+    return [{"t": d["t"] - t0} | {k: d[k] for k in keep if k in d}
+            for d in sorted(data.decisions, key=lambda d: d["t"])]
+
+
+def html_table(rows: list[dict], max_rows: int = 200) -> str:
+    """A plain HTML table of ``rows`` (the union of their keys as columns)."""
+    if not rows:
+        return "<p><em>none</em></p>"
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>"
+                   for r in rows[:max_rows])
+    more = f"<p>… {len(rows) - max_rows} more rows</p>" if len(rows) > max_rows else ""
+    return f"<table><tr>{head}</tr>{body}</table>{more}"
+
+
+def _summary(data: RunData) -> list[dict]:
+    out = {k: data.config[k] for k in SUMMARY_KEYS if k in data.config}
+    out["iterations done"] = len(data.iterations)
+    if data.iterations:
+        out["last reward"] = data.iterations[-1].get("reward_mean")
+    if data.evals:
+        out["held-out accuracy"] = (f"{data.evals[0]['heldout_accuracy']:.3f} → "
+                                    f"{data.evals[-1]['heldout_accuracy']:.3f}")
+    if data.ledger:
+        out["worker·s"] = data.ledger["totals"]["worker_s"]
+        out["cost"] = data.ledger["totals"]["cost"]
+    return [out]
+
+
+STYLE = """body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:0.5em 0}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#f3f3f3}
+img{max-width:100%;border:1px solid #eee}.live{background:#e8f5e9;padding:0.5em}"""
+
+
+def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write ``index.html`` and its PNGs for the run at ``run``; returns the HTML path."""
+    try:
+        from .plots import FIGURES, png_bytes
+    except ImportError as err:
+        raise ImportError("rlhfless report draws with matplotlib: "
+                          "pip install 'rlhfless[notebooks]'") from err
+    data = RunData.load(run)
+    out = Path(out_dir) if out_dir is not None else data.path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    name = html.escape(data.path.name)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{name}</title>"
+             f"<style>{STYLE}</style></head><body><h1>Run {name}</h1>"]
+    if data.live:
+        link = html.escape(data.dashboard["link"])
+        parts.append(f"<p class='live'>This run is live: <a href='{link}'>Dask dashboard</a>"
+                     f" ({link})</p>")
+    elif data.dashboard:
+        parts.append("<p>The run has ended; its Dask dashboard is gone.</p>")
+    parts.append(html_table(_summary(data)))
+    for key, (title, draw) in FIGURES.items():
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        fig = draw(data)
+        if fig is None:
+            parts.append("<p><em>not available for this run yet</em></p>")
+            continue
+        (out / f"{key}.png").write_bytes(png_bytes(fig))
+        parts.append(f"<img src='{key}.png' alt='{html.escape(title)}'>")
+    parts.append("<h2>Cost ledger</h2>" + html_table(ledger_rows(data)))
+    parts.append("<h2>Scaling decisions</h2>" + html_table(decision_rows(data)))
+    parts.append(f"<h2>Configuration</h2><pre>{html.escape(json.dumps(data.config, indent=1))}"
+                 "</pre></body></html>")
+    page = out / "index.html"
+    page.write_text("\n".join(parts), encoding="utf-8")
+    return page
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="write an HTML report of a run")
+    p.add_argument("run", help="the run directory, runs/<name>")
+    p.add_argument("-o", "--output", help="directory for index.html and its images "
+                   "(default: RUN/report)")
+
+
+def run_from_args(args: Any) -> int:
+    try:
+        print(write_report(args.run, args.output))
+    except (FileNotFoundError, ImportError) as err:
+        print(f"rlhfless: report: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,272 @@
+"""``rlhfless simulate``: what would a run cost, and how do the policies compare?
+
+    rlhfless simulate [scenario.toml ...] [--out DIR] [--iterations N] [--quick]
+    rlhfless simulate scenario.toml --plan (--deadline SECONDS | --budget GPU_S)
+
+Without a scenario file the two settings of the RLHFless paper are simulated: its physical
+testbed (GRPO, Qwen2.5-3B, GSM8K-like lengths, 16 L40S) and its simulated cluster
+(Llama2-70B, 20 x 8 H100). Every scenario runs the verl-like baseline, the RLHFuse-like and
+Oracle baselines, our elastic policy and its ablations on one trace, plus sweeps of tau,
+lambda and the EWMA alpha; the report directory gets ``report.md``, ``results.json`` and PNG
+plots (step time, GPU-seconds, utilisation over time). ``--plan`` searches pool sizes and
+lambda for the cheapest configuration that meets a per-iteration deadline, or the fastest
+one within a per-iteration GPU-second budget.
+
+A scenario file (TOML)::
+
+    name = "my-run"
+    profile = "Qwen2.5-7B@H100"        # built-in; or fit_run = "runs/<name>" to fit one
+    gpus = 64
+    train_gpus = 64                    # optional (default: gpus)
+    [workload]                         # WorkloadConfig fields; preset = "gsm8k" | "reasoning"
+    preset = "reasoning"
+    batch_prompts = 512
+    [policy]                           # our elastic policy's knobs (PolicyConfig fields)
+    lambda_cost = 0.5
+    [profile_overrides]                # any Profile field, e.g. gen_cold_start_s = 60
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from rlhfless.schedulers.profiles import Profile, get_profile, profile_from_run
+from rlhfless.schedulers.sim_policy import (
+    ELASTIC,
+    ORACLE,
+    RLHFUSE,
+    VERL,
+    PolicyConfig,
+    ablations,
+)
+from rlhfless.schedulers.simulator import ClusterConfig, SimResult, simulate
+from rlhfless.schedulers.workloads import GSM8K, REASONING, WorkloadConfig, synthetic_trace
+
+from .sim_report import write_report
+
+PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
+    "paper-physical": {"speedup": 1.35, "reduction": 0.448},
+    "paper-simulated": {"speedup": 1.23, "reduction": 0.387},
+}
+SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.5, 0.75, 1.0),
+          "ewma_alpha": (0.25, 0.5, 0.75, 1.0)}
+PRESETS = {"gsm8k": GSM8K, "reasoning": REASONING}
+
+
+class ScenarioError(ValueError):
+    """A bad scenario file or value; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    profile: Profile
+    gpus: int
+    workload: WorkloadConfig
+    train_gpus: int | None = None
+    colocated: bool = True
+    policy: PolicyConfig = ELASTIC
+    paper: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return ClusterConfig(self.gpus, self.train_gpus, self.colocated)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name, "profile": self.profile.to_record(), "gpus": self.gpus,
+                "train_gpus": self.train_gpus, "colocated": self.colocated,
+                "workload": self.workload.to_record(), "policy": self.policy.to_record(),
+                "paper": self.paper}
+
+
+def paper_scenarios() -> list[Scenario]:
+    return [
+        Scenario("paper-physical", get_profile("Qwen2.5-3B@L40S"), 16, GSM8K,
+                 paper=PAPER["paper-physical"]),
+        Scenario("paper-simulated", get_profile("Llama2-70B@H100"), 160, GSM8K,
+                 paper=PAPER["paper-simulated"]),
+    ]
+
+
+def _fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(values) - known)
+    if bad:
+        raise ScenarioError(f"{where}: unknown key(s) {bad}; known: {sorted(known)}")
+    return values
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """A ``Scenario`` from a TOML file (see the module docstring)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise ScenarioError(f"scenario file {path} does not exist") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ScenarioError(f"scenario file {path}: {err}") from err
+    top = {"name", "profile", "fit_run", "gpus", "train_gpus", "colocated", "workload",
+           "policy", "profile_overrides", "paper"}
+    bad = sorted(set(raw) - top)
+    if bad:
+        raise ScenarioError(f"{path}: unknown key(s) {bad}; known: {sorted(top)}")
+    try:
+        if "fit_run" in raw:
+            profile = profile_from_run(raw["fit_run"])
+        else:
+            profile = get_profile(raw.get("profile", "Qwen2.5-3B@L40S"))
+        profile = profile.replace(**_fields(Profile, raw.get("profile_overrides", {}),
+                                            f"{path} [profile_overrides]"))
+        wl = dict(raw.get("workload", {}))
+        preset = wl.pop("preset", "gsm8k")
+        if preset not in PRESETS:
+            raise ScenarioError(f"{path} [workload]: preset = {preset!r}; allowed: "
+                                f"{sorted(PRESETS)}")
+        workload = dataclasses.replace(PRESETS[preset], **_fields(
+            WorkloadConfig, wl, f"{path} [workload]"))
+        policy = ELASTIC.replace(**_fields(PolicyConfig, raw.get("policy", {}),
+                                           f"{path} [policy]"))
+        gpus = raw.get("gpus", 16)
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ScenarioError(f"{path}: gpus = {gpus!r}; allowed: an integer >= 1")
+        return Scenario(raw.get("name", path.stem), profile, gpus, workload,
+                        raw.get("train_gpus"), bool(raw.get("colocated", True)), policy,
+                        raw.get("paper", {}))
+    except (TypeError, ValueError, FileNotFoundError) as err:
+        if isinstance(err, ScenarioError):
+            raise
+        raise ScenarioError(f"{path}: {err}") from err
+
+
+def compare(results: dict[str, SimResult], baseline: str) -> list[dict[str, Any]]:
+    """One row per policy: its summary plus speedup and GPU-s reduction vs ``baseline``."""
+    base = results[baseline].summary()
+    rows = []
+    for label, res in results.items():
+        s = res.summary()
+        s["label"] = label
+        s["speedup"] = base["step_s"] / s["step_s"]
+        s["gpu_s_reduction"] = 1.0 - s["gpu_s"] / base["gpu_s"]
+        rows.append(s)
+    return rows
+
+
+def run_scenario(sc: Scenario, sweeps: bool = True) -> dict[str, Any]:
+    """Every baseline, ablation and sweep of ``sc`` on one trace; JSON-able rows plus the
+    ``SimResult``s of verl and ours (for plots)."""
+    trace = synthetic_trace(sc.workload)
+    ours = sc.policy.replace(name="rlhfless (ours)")
+    policies = [VERL, ours, RLHFUSE, ORACLE, *ablations()]
+    results = {p.name: simulate(trace, sc.profile, sc.cluster, p) for p in policies}
+    out: dict[str, Any] = {"scenario": sc.to_record(),
+                           "table": compare(results, VERL.name), "sweeps": {}}
+    if sweeps:
+        base = results[VERL.name]
+        for key, values in SWEEPS.items():
+            runs = {f"{key}={v}": simulate(trace, sc.profile, sc.cluster,
+                                           ours.replace(**{key: v})) for v in values}
+            out["sweeps"][key] = compare({VERL.name: base, **runs}, VERL.name)[1:]
+    out["results"] = {VERL.name: results[VERL.name], ours.name: results[ours.name]}
+    return out
+
+
+def plan(sc: Scenario, deadline_s: float | None = None, budget_gpu_s: float | None = None,
+         pool_sizes: list[int] | None = None,
+         lambdas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)) -> dict[str, Any]:
+    """Search pool sizes (GPUs) and lambda with our policy. With ``deadline_s`` (mean step
+    seconds) pick the lowest GPU-s per iteration that meets it; with ``budget_gpu_s`` (per
+    iteration) the fastest within it. Returns the candidates and the recommendation."""
+    if (deadline_s is None) == (budget_gpu_s is None):
+        raise ScenarioError("plan: give exactly one of --deadline or --budget")
+    trace = synthetic_trace(sc.workload)
+    tp = sc.profile.tp
+    if pool_sizes is None:
+        pool_sizes = sorted({max(tp, int(sc.gpus * f) // tp * tp)
+                             for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)})
+    rows = []
+    for gpus in pool_sizes:
+        cluster = ClusterConfig(gpus, sc.train_gpus, sc.colocated)
+        for lam in lambdas:
+            s = simulate(trace, sc.profile, cluster, sc.policy.replace(lambda_cost=lam)).summary()
+            rows.append({"gpus": gpus, "lambda_cost": lam, "step_s": s["step_s"],
+                         "gpu_s_per_iteration": s["gpu_s_per_iteration"],
+                         "cost_usd_per_iteration": s["cost_usd"] / s["iterations"]})
+    if deadline_s is not None:
+        ok = [r for r in rows if r["step_s"] <= deadline_s]
+        best = min(ok, key=lambda r: (r["gpu_s_per_iteration"], r["step_s"])) if ok else None
+    else:
+        ok = [r for r in rows if r["gpu_s_per_iteration"] <= budget_gpu_s]
+        best = min(ok, key=lambda r: (r["step_s"], r["gpu_s_per_iteration"])) if ok else None
+    return {"scenario": sc.name, "deadline_s": deadline_s, "budget_gpu_s": budget_gpu_s,
+            "candidates": rows, "recommendation": best}
+
+
+def plan_table(result: dict[str, Any]) -> str:
+    lines = ["| GPUs | lambda | step s | GPU-s / iteration | $ / iteration |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in result["candidates"]:
+        lines.append(f"| {r['gpus']} | {r['lambda_cost']:.2f} | {r['step_s']:.1f} | "
+                     f"{r['gpu_s_per_iteration']:.0f} | {r['cost_usd_per_iteration']:.3f} |")
+    best = result["recommendation"]
+    goal = (f"deadline {result['deadline_s']} s/iteration" if result["deadline_s"] is not None
+            else f"budget {result['budget_gpu_s']} GPU-s/iteration")
+    lines.append("")
+    lines.append(f"recommendation for {goal}: " + (
+        f"{best['gpus']} GPUs, lambda {best['lambda_cost']:.2f} (step {best['step_s']:.1f} s, "
+        f"{best['gpu_s_per_iteration']:.0f} GPU-s/iteration)" if best
+        else "none of the candidates meets it; widen the pool sizes or relax the goal"))
+    return "\n".join(lines)
+
+
+def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
+                  quick: bool = False, plots: bool = True, plan_mode: bool = False,
+                  plan_deadline: float | None = None, plan_budget: float | None = None) -> int:
+    """Entry point of ``rlhfless simulate`` (argument parsing lives in ``cli.py``)."""
+    scs = [load_scenario(p) for p in scenarios] if scenarios else paper_scenarios()
+    if iterations is not None:
+        scs = [dataclasses.replace(s, workload=dataclasses.replace(s.workload,
+                                                                   iterations=iterations))
+               for s in scs]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if plan_mode:
+        for sc in scs:
+            result = plan(sc, plan_deadline, plan_budget)
+            (out_dir / f"plan-{sc.name}.json").write_text(json.dumps(result, indent=1))
+            print(f"## plan: {sc.name}\n\n{plan_table(result)}\n")
+        return 0
+    reports = [run_scenario(sc, sweeps=not quick) for sc in scs]
+    text = write_report(reports, out_dir, plots=plots)
+    print(text)
+    print(f"\nreport written to {out_dir / 'report.md'}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``simulate`` on the CLI's subparsers (called from ``cli.py``)."""
+    p = sub.add_parser("simulate", help="simulate runs on a cluster; compare policies or plan")
+    p.add_argument("scenario", nargs="*", help="scenario TOML file(s); none: the paper's two")
+    p.add_argument("--out", default="runs/simulate", help="report directory")
+    p.add_argument("--iterations", type=int, help="override every scenario's iterations")
+    p.add_argument("--quick", action="store_true", help="skip the tau/lambda/alpha sweeps")
+    p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib)")
+    p.add_argument("--plan", action="store_true", help="recommend pool size and lambda")
+    p.add_argument("--deadline", type=float, help="plan: mean seconds per iteration")
+    p.add_argument("--budget", type=float, help="plan: GPU-seconds per iteration")
+
+
+def run_from_args(args: Any) -> int:
+    """Run ``rlhfless simulate`` from parsed arguments; errors are one line on stderr."""
+    try:
+        return main_simulate(args.scenario, args.out, args.iterations, args.quick,
+                             not args.no_plots, args.plan, args.deadline, args.budget)
+    except (ScenarioError, RuntimeError) as err:
+        print(f"rlhfless simulate: {err}", file=sys.stderr)
+        return 2

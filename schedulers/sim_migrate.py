@@ -1,0 +1,173 @@
+"""Cut-and-migrate events inside one simulated generation phase.
+
+The live scheduler asks ``plan_migration`` between generation chunks; the simulator asks it
+at the instants that matter, when a worker's completion fraction reaches ``tau`` (local,
+RLHFless), or once when ``tau`` of all sequences are done (global, RLHFuse-like). At an
+event the state of every listed worker is read from its ``WorkerRun`` at that instant and
+handed to the policy as ``WorkerProgress``; the returned ``Migration``s are applied: a source
+is cut and released, each target's run is cut and resumed with the incoming sequences
+queued, their whole context recomputed (``sim_engine.resume_run``).
+
+Which workers an event lists (local mode): the worker that reached ``tau``, plus every
+worker still generating whose completion is below ``tau`` (the candidate targets). A worker
+is a source at most once, at its own crossing, and a worker that received sequences is never
+a source, so no sequence moves twice; workers already past ``tau`` are left out of later
+events. Targets' predicted remaining tokens come from the policy (``SimPolicy.remaining``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from .migration import Migration, WorkerProgress
+from .profiles import Profile
+from .sim_engine import WorkerRun, resume_run
+from .sim_policy import SimPolicy
+from .workloads import Batch
+
+
+class MigrationEvents:
+    """Runs the cut-and-migrate events of one iteration over the workers' runs."""
+
+    def __init__(self, policy: SimPolicy, profile: Profile, cap: int, batch: Batch,
+                 runs: dict[str, WorkerRun], length: np.ndarray, prompt: np.ndarray) -> None:
+        self.policy, self.profile, self.cap = policy, profile, cap
+        self.names = list(runs)
+        self.current: dict[str, WorkerRun | None] = dict(runs)
+        self.history: dict[str, list[WorkerRun]] = {w: [] for w in runs}
+        self.released: dict[str, float] = {}  # source -> time it was cut and released
+        self.length, self.prompt = length, prompt
+        self.group = np.repeat(np.arange(batch.n_groups), batch.n_samples)
+        self.done_tokens = np.zeros(length.size, dtype=np.int64)  # tokens of cut runs
+        self.fin_before = dict.fromkeys(runs, 0)
+        self.sinks: set[str] = set()
+        self.decided: set[str] = set()
+        self.n_migrations = self.n_moved = self.recompute_tokens = 0
+        self._sid: list[str] | None = None
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        mode = self.policy.cfg.migration
+        if mode == "none" or len(self.names) < 2:
+            return
+        tau = self.policy.cfg.tau
+        self._sid = [str(j) for j in range(self.length.size)]
+        if mode == "global":
+            ft = np.sort(np.concatenate([r.finish_times() for r in self.current.values()]))
+            k = math.ceil(tau * ft.size)
+            if k < ft.size:
+                t = float(ft[max(k, 1) - 1])
+                listed = [w for w in self.names if self.current[w].t_finish > t]
+                progress = {w: self._progress(w, t)[0] for w in listed}
+                self._apply(t, self.policy.migrate(progress))
+            return
+        events = []
+        for w in self.names:
+            run = self.current[w]
+            k = math.ceil(tau * run.seq.size)
+            if 0 < k < run.seq.size:
+                events.append((float(np.sort(run.finish_times())[k - 1]), w))
+        heapq.heapify(events)
+        while events:
+            t, w = heapq.heappop(events)
+            if w in self.decided or w in self.sinks or self.current[w] is None:
+                continue
+            self.decided.add(w)
+            progress = {w: self._progress(w, t)[0]}
+            for v in self.names:
+                run = self.current[v]
+                if v == w or v in self.decided or run is None or run.t_finish <= t:
+                    continue
+                prog, completion = self._progress(v, t)
+                if completion < tau:
+                    progress[v] = prog
+            if len(progress) > 1:
+                self._apply(t, self.policy.migrate(progress))
+
+    def _progress(self, w: str, t: float) -> tuple[WorkerProgress, float]:
+        run = self.current[w]
+        fin, generated, _ = run.state_at(t)
+        unf = ~fin
+        seqs = run.seq[unf]
+        gen_total = self.done_tokens[seqs] + generated[unf]
+        n_fin = self.fin_before[w] + int(fin.sum())
+        n_assigned = n_fin + int(seqs.size)
+        remaining = self.policy.remaining(self.group[seqs], gen_total,
+                                          self.length[seqs] - gen_total)
+        prog = WorkerProgress(n_assigned, n_fin, [self._sid[j] for j in seqs.tolist()],
+                              self.prompt[seqs] + gen_total, remaining, busy=run.t0 <= t)
+        return prog, prog.completion_fraction
+
+    def _close(self, w: str, t: float) -> WorkerRun:
+        """Cut ``w``'s current run at ``t``, book what it generated, return the cut run."""
+        run = self.current[w]
+        cut = run.cut(t)
+        self.done_tokens[cut.seq] += cut.end - cut.start
+        self.fin_before[w] += int(cut.done.sum())
+        self.history[w].append(cut)
+        return run
+
+    def _apply(self, t: float, plan: list[Migration]) -> None:
+        if not plan:
+            return
+        incoming: dict[str, list[int]] = defaultdict(list)
+        for m in plan:
+            incoming[m.target].extend(int(s) for s in m.seq_ids)
+            self.n_migrations += 1
+            self.n_moved += len(m.seq_ids)
+            self.recompute_tokens += m.recompute_tokens
+        for src in {m.source for m in plan}:
+            self._close(src, t)
+            self.current[src] = None
+            self.released[src] = t
+            self.decided.add(src)
+        for tgt, seqs in incoming.items():
+            old = self._close(tgt, t)
+            inc = np.asarray(seqs, dtype=np.int64)
+            done = self.done_tokens[inc]
+            # the target's own sequences: their tokens so far are booked by _close, and
+            # resume_run continues them from ``old``'s state at t
+            self.current[tgt] = resume_run(t, old, inc, self.length[inc] - done,
+                                           self.prompt[inc] + done, self.profile, self.cap)
+            self.sinks.add(tgt)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def all_runs(self) -> list[WorkerRun]:
+        runs = [r for w in self.names for r in self.history[w]]
+        return runs + [r for r in self.current.values() if r is not None]
+
+    def finish_times(self) -> dict[str, float]:
+        """When each worker finished its last sequence or was released by a cut."""
+        out = {}
+        for w in self.names:
+            run = self.current[w]
+            out[w] = self.released[w] if run is None else run.t_finish
+        return out
+
+    def finished_per_worker(self) -> dict[str, int]:
+        out = dict(self.fin_before)
+        for w, run in self.current.items():
+            if run is not None:
+                out[w] += int(run.done.sum())
+        return out
+
+    def sequence_log(self) -> dict[str, np.ndarray]:
+        """Per sequence: times finished, tokens generated (over all runs), and the index
+        (in ``names``) of the worker that finished it; for conservation checks."""
+        n = self.length.size
+        finished, tokens = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        worker = np.full(n, -1, np.int64)
+        for i, w in enumerate(self.names):
+            runs = self.history[w] + ([self.current[w]] if self.current[w] is not None else [])
+            for run in runs:
+                np.add.at(tokens, run.seq, run.end - run.start)
+                np.add.at(finished, run.seq[run.done], 1)
+                worker[run.seq[run.done]] = i
+        return {"finished": finished, "tokens": tokens, "worker": worker,
+                "length": self.length.copy()}

@@ -1,0 +1,235 @@
+"""Policies the simulator runs: configurations over the live scheduler's policy objects.
+
+A ``PolicyConfig`` says which mechanisms are on; ``SimPolicy`` wires them to the same pure
+policies the live scheduler calls, so a baseline is a configuration, never a copy:
+
+- length prediction: ``LengthPredictor`` (EWMA, ``ewma_alpha``), or the true lengths (oracle);
+- scaling: ``choose_generation_workers`` over ``1..pool`` (elastic) or the whole pool (static),
+  with a ``ThroughputModel`` fitted online from the simulated workers' own step timings;
+- assignment: ``assign_by_length`` (RLHFless), ``round_robin`` (verl's even split of the batch
+  over its engines: each engine gets the same number of groups, i.e. least-loaded by count),
+  or the groups' logged workers (replay of a recorded run);
+- cut-and-migrate: ``plan_migration`` at ``tau`` (local, per worker, RLHFless), or a global
+  cut (RLHFuse-like: once ``tau`` of all sequences are done, the unfinished ones are
+  consolidated onto the fewest workers that hold them and the others are released);
+- prefill dedup: each group's prompt prefilled once per worker (and the batch's shared prefix
+  once per worker), or every sample prefilled on its own;
+- billing: ``reserved`` (every GPU billed from the run's start to its end, serverful) or
+  ``per_use`` (a worker is billed from its start, cold start included, until it stops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .assignment import assign_by_length
+from .migration import Migration, WorkerProgress, plan_migration
+from .predictor import LengthPredictor
+from .profiles import Profile
+from .scaling import ScalingDecision, choose_generation_workers, round_robin
+from .throughput import ThroughputModel
+from .workloads import Batch
+
+CHOICES = {
+    "billing": ("reserved", "per_use"),
+    "scaling": ("elastic", "static"),
+    "assignment": ("length", "round_robin", "replay"),
+    "migration": ("none", "local", "global"),
+}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which mechanisms a simulated system uses; see the module docstring."""
+
+    name: str = "elastic"
+    billing: str = "per_use"
+    scaling: str = "elastic"
+    assignment: str = "length"
+    dedup: bool = True
+    migration: str = "local"
+    tau: float = 0.7  # completion fraction that triggers cut-and-migrate
+    lambda_cost: float = 0.5  # weight of time vs worker-seconds in scaling and migration
+    ewma_alpha: float = 1.0  # weight of the newest epoch in the length EWMA
+    oracle: bool = False  # perfect length knowledge instead of the predictor
+    keep_alive: str | float = "auto"  # idle seconds before release, or "auto" (see simulator)
+    prewarm: bool = True  # start workers a cold start ahead, so it is billed but not waited
+
+    def __post_init__(self) -> None:
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"PolicyConfig({self.name!r}): {key}={getattr(self, key)!r}; "
+                                 f"allowed: {allowed}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"PolicyConfig({self.name!r}): tau={self.tau!r}; allowed: (0, 1]")
+        if not 0.0 <= self.lambda_cost <= 1.0:
+            raise ValueError(f"PolicyConfig({self.name!r}): lambda_cost={self.lambda_cost!r}; "
+                             "allowed: [0, 1]")
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError(f"PolicyConfig({self.name!r}): ewma_alpha={self.ewma_alpha!r}; "
+                             "allowed: (0, 1]")
+        if self.keep_alive != "auto" and not (
+            isinstance(self.keep_alive, (int, float)) and self.keep_alive >= 0
+        ):
+            raise ValueError(f"PolicyConfig({self.name!r}): keep_alive={self.keep_alive!r}; "
+                             "allowed: 'auto' or seconds >= 0")
+
+    def replace(self, **changes: Any) -> PolicyConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+VERL = PolicyConfig("verl-like", billing="reserved", scaling="static", assignment="round_robin",
+                    dedup=False, migration="none")
+ELASTIC = PolicyConfig("rlhfless (ours)")
+RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
+ORACLE = PolicyConfig("oracle", oracle=True)
+SERVERLESS_BASE = PolicyConfig("serverless base", scaling="static", assignment="round_robin",
+                               dedup=False, migration="none")
+
+
+def ablations() -> list[PolicyConfig]:
+    """RLHFless's ablation chain on per-use billing: base, +dedup, +assignment, +scaling,
+    +cut-and-migrate (the last is the full elastic policy)."""
+    base = SERVERLESS_BASE
+    dedup = base.replace(name="+dedup", dedup=True)
+    assign = dedup.replace(name="+assignment", assignment="length")
+    scale = assign.replace(name="+scaling", scaling="elastic")
+    return [base, dedup, assign, scale, scale.replace(name="+cut-and-migrate", migration="local")]
+
+
+def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[Migration]:
+    """RLHFuse-like consolidation: keep the fewest workers that can hold every unfinished
+    sequence (those holding the most already), deal the others' sequences to them longest
+    remaining first, each to the kept worker with the least predicted remaining tokens."""
+    names = [n for n, p in progress.items() if p.seq_ids]
+    if len(names) <= 1:
+        return []
+    live = np.array([len(progress[n].seq_ids) for n in names])
+    need = 1 if cap is None else max(1, -(-int(live.sum()) // cap))
+    if need >= len(names):
+        return []
+    order = np.argsort(-live, kind="stable")
+    keep, move = order[:need], order[need:]
+    load = np.array([progress[names[i]].remaining_tokens.sum() for i in keep])
+    room = np.array([np.inf if cap is None else cap - live[i] for i in keep])
+    items = [(float(progress[names[i]].remaining_tokens[j]), i, j)
+             for i in move for j in range(len(progress[names[i]].seq_ids))]
+    items.sort(key=lambda x: -x[0])
+    moves: dict[tuple[int, int], list[int]] = {}
+    for rem, i, j in items:
+        k = int(np.argmin(np.where(room > 0, load, np.inf)))
+        load[k] += rem
+        room[k] -= 1
+        moves.setdefault((int(i), int(keep[k])), []).append(j)
+    plan = []
+    for (i, k), idx in moves.items():
+        p = progress[names[i]]
+        plan.append(Migration(
+            source=names[i], target=names[k], seq_ids=tuple(p.seq_ids[j] for j in idx),
+            recompute_tokens=int(p.current_lengths[idx].sum()),
+            completion_fraction=p.completion_fraction, stay_seconds=float("nan"),
+            move_seconds=float("nan"), stay_cost_ws=float("nan"), move_cost_ws=float("nan"),
+            reason=f"global cut: consolidate onto {need} worker(s)"))
+    return plan
+
+
+class SimPolicy:
+    """The live scheduler's policy objects, driven by the simulator for one run."""
+
+    def __init__(self, cfg: PolicyConfig, profile: Profile, pool: int, cap: int,
+                 ctx_hint: float) -> None:
+        self.cfg = cfg
+        self.pool = int(pool)
+        self.cap = int(cap)
+        self.engine_prefill_rate = profile.prefill_tokens_per_s  # what the simulated engine does
+        self.predictor = LengthPredictor(alpha=cfg.ewma_alpha)
+        # prior: the profile's step model, its context term folded in at a typical context
+        self.model = ThroughputModel(
+            step_intercept_s=profile.step_base_s,
+            step_slope_s=profile.step_per_seq_s + profile.step_per_ctx_token_s * ctx_hint,
+            prefill_tokens_per_s=profile.prefill_tokens_per_s,
+            cold_start_s=profile.gen_wake_s, max_batch=self.cap)
+        self._pred: tuple[np.ndarray, np.ndarray] | None = None
+
+    def predictions(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (mean, max) response tokens per group: the EWMA, or the truth."""
+        if self.cfg.oracle:
+            lengths = batch.lengths.astype(np.float64)
+            return lengths.mean(axis=1), lengths.max(axis=1)
+        ids = batch.prompt_ids.tolist()
+        return self.predictor.predict(ids), self.predictor.predict_max(ids)
+
+    def prefill_per_group(self, batch: Batch) -> np.ndarray:
+        """Prompt tokens each group prefills: once (dedup) or once per sample."""
+        if self.cfg.dedup:
+            return np.maximum(batch.prompt_tokens - batch.shared_prefix_tokens, 0).astype(float)
+        return batch.prompt_tokens.astype(np.float64) * batch.n_samples
+
+    def plan(self, batch: Batch, keep_warm: int) -> ScalingDecision:
+        """This iteration's worker count and assignment (``choose_generation_workers``)."""
+        mean, mx = self._pred = self.predictions(batch)
+        cfg = self.cfg
+        if cfg.assignment == "replay":
+            if batch.workers is None:
+                raise ValueError(f"policy {cfg.name!r}: assignment 'replay' needs a replayed "
+                                 "trace (batches with logged workers)")
+            n_log = int(batch.workers.max()) + 1
+
+            def assign(pred: np.ndarray, n: int) -> list[np.ndarray]:
+                return [np.flatnonzero(batch.workers == w) for w in range(n)]
+
+            lo = hi = n_log
+        else:
+            assign = assign_by_length if cfg.assignment == "length" else round_robin
+            hi = min(self.pool, batch.n_groups)
+            lo = hi if cfg.scaling == "static" else 1
+        return choose_generation_workers(
+            mean, batch.n_samples, self.model, max_workers=hi, min_workers=lo,
+            lambda_cost=cfg.lambda_cost, keep_warm=keep_warm, assign=assign,
+            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch))
+
+    def remaining(self, group: np.ndarray, generated: np.ndarray,
+                  true_remaining: np.ndarray) -> np.ndarray:
+        """Predicted tokens still to decode for unfinished sequences: the truth (oracle), or
+        the group's predicted longest sample minus what was generated, at least 1."""
+        if self.cfg.oracle or self._pred is None:
+            return true_remaining.astype(np.float64)
+        return np.maximum(self._pred[1][group] - generated, 1.0)
+
+    def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
+        if self.cfg.migration == "local":
+            return plan_migration(progress, self.cfg.tau, self.model,
+                                  lambda_cost=self.cfg.lambda_cost)
+        if self.cfg.migration == "global":
+            return global_cut(progress, self.cap)
+        return []
+
+    def observe(self, batch: Batch, runs: list[Any]) -> dict[str, Any]:
+        """After an iteration: score the predictions planning used (``mape``; the rest of
+        the record is ``LengthPredictor.error``), update the predictor, and feed the step
+        timings and prefill rates of the simulated workers (``WorkerRun``s) to the
+        throughput model."""
+        ids = np.repeat(batch.prompt_ids, batch.n_samples).tolist()
+        lengths = batch.lengths.ravel()
+        error = self.predictor.error(ids, lengths)
+        if self._pred is not None:  # score what planning used (the truth, for the oracle)
+            actual = batch.lengths.mean(axis=1)
+            error["mape"] = float(np.mean(np.abs(self._pred[0] - actual)
+                                          / np.maximum(actual, 1.0)))
+        self.predictor.observe(ids, lengths)
+        for run in runs:
+            b, s, k = run.chunks()
+            if b.size:
+                self.model.observe_decode(b, s, k)
+            tokens = float(run.prefill.sum())
+            if tokens > 0:
+                self.model.observe_prefill(tokens, tokens / self.engine_prefill_rate)
+        return error

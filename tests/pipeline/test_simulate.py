@@ -1,0 +1,63 @@
+"""``rlhfless simulate``: report directory, scenario files, plan mode, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhfless.pipeline.cli import main
+from rlhfless.pipeline.simulate import ScenarioError, load_scenario
+
+SCENARIO = """
+name = "tiny-plan"
+profile = "Qwen2.5-3B@L40S"
+gpus = 4
+[workload]
+preset = "gsm8k"
+dataset_prompts = 128
+batch_prompts = 32
+iterations = 3
+[policy]
+lambda_cost = 0.5
+"""
+
+
+def test_simulate_writes_report_and_prints_headline(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["simulate", "--quick", "--iterations", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "speedup (paper)" in text and "1.35x" in text and "38.7%" in text
+    report = (out / "report.md").read_text()
+    assert "rlhfuse-like" in report and "+cut-and-migrate" in report and "oracle" in report
+    results = json.loads((out / "results.json").read_text())
+    assert [r["scenario"]["name"] for r in results] == ["paper-physical", "paper-simulated"]
+    pytest.importorskip("matplotlib")
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert len(pngs) == 6 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_scenario_file_with_sweeps_and_plan(tmp_path, capsys):
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO)
+    out = tmp_path / "r"
+    assert main(["simulate", str(path), "--no-plots", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Sweep of tau" in report and "Sweep of lambda_cost" in report
+    assert main(["simulate", str(path), "--plan", "--deadline", "1e9", "--out", str(out)]) == 0
+    assert "recommendation for deadline" in capsys.readouterr().out
+    plan = json.loads((out / "plan-tiny-plan.json").read_text())
+    best = plan["recommendation"]
+    assert best["gpu_s_per_iteration"] == min(r["gpu_s_per_iteration"]
+                                              for r in plan["candidates"])
+
+
+def test_bad_scenario_is_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text('gpus = 4\n[workload]\nbatch_promts = 3\n')
+    assert main(["simulate", str(path), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown key(s) ['batch_promts']" in err and "\n" not in err
+    path.write_text('profile = "nope"\n')
+    with pytest.raises(ScenarioError, match="unknown profile 'nope'"):
+        load_scenario(path)
