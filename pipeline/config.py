@@ -83,7 +83,7 @@ class Config:
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
     replay_max_age: int = 2  # replay: a group older than this many versions is not replayed
     replay_size: int = 64  # replay: the most groups the buffer holds
-    max_wall_s: float = 0.0  # stop after the iteration that ends past this (0: no limit)
+    max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
