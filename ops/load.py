@@ -116,6 +116,7 @@ def read_prompts(
     on_bad_row: BadRowPolicy = "error",
     on_long_prompt: LongPromptPolicy = "skip",
     apply_chat_template: bool | None = None,
+    require_answers: bool = False,
 ) -> LoadResult:
     """Read ``source`` and tokenise its prompts into a ``schema.PROMPTS`` table.
 
@@ -126,6 +127,7 @@ def read_prompts(
     (``"truncate"``: the question and the generation prompt are at the end) or is dropped
     (``"skip"``). ``apply_chat_template``: None renders chat messages and encodes strings
     as they are; True also wraps strings as one user message; False refuses messages.
+    ``require_answers`` makes a record without a ground truth a bad record.
     """
     _check_options(max_prompt_tokens, on_bad_row, on_long_prompt, apply_chat_template)
     if apply_chat_template:
@@ -138,7 +140,7 @@ def read_prompts(
     for record in records:
         n_read += 1
         try:
-            prompt = _parse_record(record, stem, tokenizer, apply_chat_template)
+            prompt = _parse_record(record, stem, tokenizer, apply_chat_template, require_answers)
         except BadRow as err:
             if on_bad_row == "error":
                 raise BadRow(f"{record.where}: {err}; pass on_bad_row='skip' to skip it") from None
@@ -297,6 +299,7 @@ def _parse_record(
     stem: str,
     tokenizer: PreTrainedTokenizerBase,
     apply_chat_template: bool | None,
+    require_answers: bool = False,
 ) -> _Prompt:
     """Validate one record and render its prompt text; ``BadRow`` says what is wrong."""
     if record.error is not None:
@@ -306,6 +309,9 @@ def _parse_record(
         raise BadRow(f"record is {_kind(row)}; expected an object with a 'prompt' field")
     prompt = _parse_prompt(row)
     answer = _parse_answer(row)
+    if require_answers and not answer:
+        raise BadRow("no ground truth ('reward_model.ground_truth', 'answer' or 'solution'); "
+                     "set require_answers = false if the reward needs none")
     data_source = row.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
         raise BadRow(f"'data_source' is {_kind(data_source)}; expected a string or null")

@@ -57,6 +57,7 @@ class Config:
     max_prompt_tokens: int = 192
     on_bad_row: str = "error"
     on_long_prompt: str = "skip"
+    require_answers: bool = True  # a prompt without ground truth is a bad row
     # algorithm
     algorithm: str = "grpo"
     batch_prompts: int = 32  # prompts per iteration

@@ -107,7 +107,7 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
 def load_prompt_sets(cfg: Config, model_path: Path) -> tuple[pa.Table, pa.Table, dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
-              on_long_prompt=cfg.on_long_prompt)
+              on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
     train = read_prompts(cfg.dataset or model_path / "train.jsonl", tokenizer, **kw)
     heldout = read_prompts(cfg.heldout or model_path / "heldout.jsonl", tokenizer, **kw)
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,

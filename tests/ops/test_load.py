@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from rlhfless.ops import schema
-from rlhfless.ops.load import MAX_SKIP_REASONS, LoadResult, read_prompts
+from rlhfless.ops.load import MAX_SKIP_REASONS, BadRow, LoadResult, read_prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -433,3 +433,17 @@ def test_every_record_is_kept_or_counted(
     assert column(result, "prompt_id") == expected
     assert result.n_skipped_long == kinds.count("long")
     assert len(result.skipped) == len(kinds) - len(expected)
+
+
+def test_missing_answers_are_bad_rows_when_required(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    rows = [{"prompt": "a?", "answer": "1"}, {"prompt": "b?"}, {"prompt": "c?", "answer": ""},
+            {"prompt": "d?", "solution": "4"}]
+    path = write_jsonl(tmp_path / "answers.jsonl", rows)
+    with pytest.raises(BadRow, match=r"answers\.jsonl:line 2: no ground truth"):
+        read_prompts(path, tokenizer, require_answers=True)
+    result = read_prompts(path, tokenizer, require_answers=True, on_bad_row="skip")
+    assert column(result, "answer") == ["1", "4"]
+    assert result.n_skipped_bad == 2 and result.n_rows_read == 4
+    assert len(read_prompts(path, tokenizer).table) == 4  # not required: null stays null
