@@ -6,7 +6,7 @@ A ``Deployment`` makes the one Dask ``SpecCluster`` that serves every pool, and 
 deployment, so the elastic policy scales batch jobs exactly as it scales local processes.
 
 * ``LocalDeployment``: a ``distributed.LocalCluster`` with no workers of its own; a pool's
-  worker is ``{"cls": Nanny, "options": ...}`` (threads, resources, memory, environment).
+  worker is ``{"cls": PoolNanny, "options": ...}`` (threads, resources, memory, environment).
 * ``JobQueueDeployment``: a dask-jobqueue ``SLURMCluster`` or ``PBSCluster`` (SpecClusters
   whose scheduler runs in this process); a pool's worker is one batch job of one worker
   process, ``{"cls": SLURMJob | PBSJob, "options": job keywords}``, with per-pool directives:
@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 
 # what every worker of every pool is told through its environment
 WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# glibc malloc of every worker process, set before it starts. Dask's nanny exports
+# MALLOC_TRIM_THRESHOLD_=64KiB, and setting any malloc threshold freezes glibc's adaptive mmap
+# threshold at 128 KiB: every activation and gradient above it is then mmap'd and unmapped
+# afresh, page faults and all, and a torch update ran 1.7-2x slower (bench/worker_malloc.py).
+# These are the values glibc's adaptive thresholds reach by themselves on 64-bit Linux.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 JOB_SYSTEMS = ("slurm", "pbs")
 
 
@@ -68,6 +74,15 @@ class Deployment(ABC):
         return ""
 
 
+class PoolNanny(Nanny):
+    """A ``Nanny`` whose worker process starts with ``MALLOC_ENV``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pre_spawn_env.update(MALLOC_ENV)  # the worker process starts with these
+        self.env.update(MALLOC_ENV)  # and its os.environ keeps them
+
+
 @dataclass(frozen=True)
 class LocalDeployment(Deployment):
     host: str = "127.0.0.1"
@@ -81,7 +96,7 @@ class LocalDeployment(Deployment):
                             scheduler_kwargs={"plugins": plugins})
 
     def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
-        return {"cls": Nanny, "options": {
+        return {"cls": PoolNanny, "options": {
             "host": self.host, "security": self.security,  # listen where the scheduler does
             "nthreads": pool.threads,
             "resources": dict(pool.resources),
@@ -157,7 +172,7 @@ class JobQueueDeployment(Deployment):
         worker_args = ["--lifetime", lifetime, "--lifetime-stagger", stagger]
         if resources:
             worker_args = ["--resources", resources, *worker_args]
-        env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV}
+        env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV, **MALLOC_ENV}
         options: dict[str, Any] = {
             "cores": pool.threads,
             "memory": pool.memory,

@@ -46,6 +46,7 @@ def test_slurm_generation_job_asks_for_its_gpus_partition_and_walltime():
     assert "--resources GEN=1" in command
     assert "--lifetime 6480s --lifetime-stagger 360s" in command  # 90% / 5% of 2 h
     assert "export OMP_NUM_THREADS=4" in lines and "module load cuda" in lines
+    assert "export MALLOC_MMAP_THRESHOLD_=33554432" in lines  # see deploy.MALLOC_ENV
     assert lines.index("module load cuda") < len(lines) - 1  # the prologue runs first
 
 
