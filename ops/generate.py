@@ -22,7 +22,6 @@ quantity the trainer recomputes.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
+from .forward import forward_with_cache, layer_tensors, left_pad, positions_of
 from .schema import PROMPTS, ROLLOUTS, check_columns
 
 
@@ -63,17 +63,6 @@ class GenerationStats:
         return self.prefill_seconds + self.decode_seconds
 
 
-def _forward(model, cache: DynamicCache, **inputs):
-    """``model(**inputs)`` appending to ``cache``; transformers >= 5.24 names the argument
-    ``cache``, earlier releases ``past_key_values``."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(**inputs, use_cache=True, **{name: cache})
-
-
-def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
     """KV of each shared prefix, computed once: [prefix][layer] -> (k [1,H,L,D], v)."""
     out = []
@@ -83,20 +72,9 @@ def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
             continue
         ids = torch.tensor([prefix], device=model.device)
         cache = DynamicCache(config=model.config)
-        _forward(model, cache, input_ids=ids)
-        out.append(_layer_tensors(cache))
+        forward_with_cache(model, cache, input_ids=ids)
+        out.append(layer_tensors(cache))
     return out
-
-
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-    return ids, mask
 
 
 def _prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
@@ -203,13 +181,13 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     prefix_kv = _prefill_prefixes(model, [list(p) for p in prefixes])
     cache, past_mask = _prefix_cache(model, prefix_kv, owner, prefix_lens)
 
-    suffix_ids, suffix_mask = _left_pad([p[k:] for p, k in zip(prompts, prefix_lens)], pad_id)
+    suffix_ids, suffix_mask = left_pad([p[k:] for p, k in zip(prompts, prefix_lens)], pad_id)
     suffix_ids, suffix_mask = suffix_ids.to(model.device), suffix_mask.to(model.device)
     offsets = torch.tensor(prefix_lens, device=model.device)[:, None]
     positions = (offsets + suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [U, S]
     mask = torch.cat([past_mask, suffix_mask], dim=-1)  # [U, P + S]
-    out = _forward(model, cache, input_ids=suffix_ids, attention_mask=mask,
-                   position_ids=positions)
+    out = forward_with_cache(model, cache, input_ids=suffix_ids, attention_mask=mask,
+                             position_ids=positions)
     stats.prefill_tokens += sum(len(p) for p in prefixes) + int(suffix_mask.sum())
     logits = out.logits[:, -1]  # [U, V]
     next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
@@ -233,11 +211,11 @@ def prefill_continuations(model, prompts: list[list[int]], generated: list[list[
     started = time.perf_counter()
     full = [p + g for p, g in zip(prompts, generated)]
     _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
-    ids, mask = _left_pad(full, pad_id)
+    ids, mask = left_pad(full, pad_id)
     ids, mask = ids.to(model.device), mask.to(model.device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
+    out = forward_with_cache(model, cache, input_ids=ids, attention_mask=mask,
+                             position_ids=positions_of(mask))
     stats.prefill_tokens += int(mask.sum())
     stats.prefill_seconds += time.perf_counter() - started
     next_pos = torch.tensor([len(f) for f in full], device=model.device)
@@ -275,8 +253,8 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
             dec.live, dec.mask, dec.next_pos = dec.live[keep], dec.mask[keep], dec.next_pos[keep]
             dec.budget, tokens = dec.budget[keep], tokens[keep]
         dec.mask = torch.cat([dec.mask, torch.ones_like(dec.mask[:, :1])], dim=-1)
-        out = _forward(model, dec.cache, input_ids=tokens[:, None], attention_mask=dec.mask,
-                       position_ids=dec.next_pos[:, None])
+        out = forward_with_cache(model, dec.cache, input_ids=tokens[:, None],
+                                 attention_mask=dec.mask, position_ids=dec.next_pos[:, None])
         dec.next_pos = dec.next_pos + 1
         dec.logits = out.logits[:, -1]
         if dec.finished_fraction >= until_finished:

@@ -10,8 +10,10 @@ For every response token t of every sequence::
 Token-level aggregation: every token of the batch weighs the same, whichever sequence it
 belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
 ``micro_batch_tokens`` padded tokens and their gradients accumulated, so memory is bounded by
-the budget, not by the batch. ``epochs`` > 1 reuses the batch (PPO-style) with the ratio
-correcting for the drift.
+the budget, not by the batch. The samples of a group share their prompt's forward pass
+(``response_logprobs``), as generation shares its prefill: with n samples per prompt the
+update runs each prompt once, not n times (``forward_tokens`` vs ``forward_tokens_naive``).
+``epochs`` > 1 reuses the batch (PPO-style) with the ratio correcting for the drift.
 
 Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
 the trainer's own log-probabilities before this update (the proximal policy, recorded at the
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from .forward import response_logprobs
 from .offpolicy import clipped_pg
 from .schema import TRAINABLE, check_columns
 
@@ -42,40 +45,43 @@ class UpdateParams:
     tis_cap: float | None = None  # off-policy batches: cap of the TIS weight; None: on-policy
 
 
-def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences per micro-batch: sorted by length, each micro-batch holding at
-    most ``budget`` padded tokens (a longer sequence gets a micro-batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def pack_micro_batches(prompts: list[list[int]], response_lens: list[int],
+                       budget: int) -> list[list[int]]:
+    """Row indices per micro-batch. Rows with the same prompt (the samples of a group) go
+    together, since ``response_logprobs`` computes a prompt once per micro-batch. Groups are
+    taken in order of their longest response and packed while the micro-batch's padded
+    tokens, distinct prompts × longest prompt + rows × longest response, stay within
+    ``budget``; a group over the budget by itself is split, and a row over it by itself gets
+    a micro-batch of its own."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    units: list[list[int]] = []
+    for prompt, rows in groups.items():
+        chunk: list[int] = []
+        for i in sorted(rows, key=lambda i: response_lens[i]):
+            if chunk and len(prompt) + (len(chunk) + 1) * response_lens[i] > budget:
+                units.append(chunk)
+                chunk = []
+            chunk.append(i)
+        units.append(chunk)
+    units.sort(key=lambda u: (response_lens[u[-1]], len(prompts[u[0]])))
     batches: list[list[int]] = []
     current: list[int] = []
-    for i in order:
-        if current and lengths[i] * (len(current) + 1) > budget:
+    n_prompts = longest_prompt = longest_response = 0
+    for unit in units:
+        p, r = len(prompts[unit[0]]), response_lens[unit[-1]]
+        cost = ((n_prompts + 1) * max(longest_prompt, p)
+                + (len(current) + len(unit)) * max(longest_response, r))
+        if current and cost > budget:
             batches.append(current)
-            current = []
-        current.append(i)
+            current, n_prompts, longest_prompt, longest_response = [], 0, 0, 0
+        current += unit
+        n_prompts += 1
+        longest_prompt, longest_response = max(longest_prompt, p), max(longest_response, r)
     if current:
         batches.append(current)
     return batches
-
-
-def _collate(prompts, responses, pad_id: int, device):
-    """Right-padded [B, T] ids and a [B, T] mask of response positions (the tokens scored)."""
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    scored = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        scored[i, len(p) : len(p) + len(r)] = True
-    return ids.to(device), attn.to(device), scored.to(device)
-
-
-def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, temperature: float):
-    """Log-probability of each token given its prefix: [B, T] (position 0 gets 0)."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
 
 
 def _scatter_rows(values: list[list[float]], scored: torch.Tensor) -> torch.Tensor:
@@ -106,8 +112,10 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     if n_tokens == 0:
         raise ValueError("update_policy: the batch has no response tokens")
     device = next(model.parameters()).device
-    lengths = [len(prompts[i]) + len(responses[i]) for i in keep]
-    micro = [[keep[j] for j in mb] for mb in pack_micro_batches(lengths, params.micro_batch_tokens)]
+    micro = [[keep[j] for j in mb] for mb in pack_micro_batches(
+        [prompts[i] for i in keep], [len(responses[i]) for i in keep],
+        params.micro_batch_tokens)]
+    prompt_tokens = sum(sum(map(len, {tuple(prompts[i]) for i in mb})) for mb in micro)
     model.train()
     totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
     if params.tis_cap is not None:
@@ -116,18 +124,19 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
         for k, mb in enumerate(micro):
-            ids, attn, scored = _collate([prompts[i] for i in mb], [responses[i] for i in mb],
-                                         pad_id, device)
-            old = _scatter_rows([behaviour[i] for i in mb], scored)  # [B, T]
+            mb_prompts, mb_responses = [prompts[i] for i in mb], [responses[i] for i in mb]
+            logp, scored = response_logprobs(model, mb_prompts, mb_responses, pad_id,
+                                             params.temperature)  # [B, R]
+            old = _scatter_rows([behaviour[i] for i in mb], scored)
             adv = torch.tensor([advantages[i] for i in mb], device=device)[:, None]  # [B, 1]
-            logp = token_logprobs(model, ids, attn, params.temperature)
             if params.tis_cap is not None and k not in prox:  # no step yet: the trainer's own
                 prox[k] = logp.detach()
             terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(k), params.tis_cap)
             pg = per_token = terms.loss
             if params.kl_coef > 0:
                 with torch.no_grad():
-                    ref = token_logprobs(ref_model, ids, attn, params.temperature)
+                    ref, _ = response_logprobs(ref_model, mb_prompts, mb_responses, pad_id,
+                                               params.temperature)
                 delta = ref - logp
                 kl = torch.exp(delta) - delta - 1
                 per_token = per_token + params.kl_coef * kl
@@ -148,4 +157,6 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
         "grad_norm": float(grad_norm),
         "tokens": n_tokens,
         "micro_batches": len(micro),
+        "forward_tokens": prompt_tokens + n_tokens,
+        "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens,
     }

@@ -1,0 +1,136 @@
+"""Forward passes over padded batches with a KV cache, shared by generation and the update.
+
+Prompts are left-padded (``left_pad``) so that their last tokens line up and a cache built
+over them can be continued by every row at once; continuations are right-padded
+(``right_pad``). Position ids always count the real tokens only, so a padded row sees the
+same positions as it would alone.
+
+``response_logprobs`` is the update's forward pass. Like generation, it computes a prompt
+once for all its samples: the distinct prompts run once, with gradients, and every row
+continues its prompt's KV cache with its response only. Rows run in chunks of similar
+response length (``length_chunks``), so that a batch of short and long responses is not
+padded to its longest. Against one forward pass per row, a group of n samples costs one
+prompt instead of n; the log-probabilities are the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+def forward_with_cache(model, cache: DynamicCache, **inputs):
+    """``model(**inputs)`` appending to ``cache``; transformers >= 5.24 names the argument
+    ``cache``, earlier releases ``past_key_values``."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(**inputs, use_cache=True, **{name: cache})
+
+
+def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys [B, H, T, D], values) of every layer of ``cache``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            span = slice(width - len(r), width) if left else slice(0, len(r))
+            ids[i, span] = torch.tensor(r)
+            mask[i, span] = 1
+    return ids, mask
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, W] ids with the rows right-aligned, and their [N, W] attention mask."""
+    return _pad(rows, pad, left=True)
+
+
+def right_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, W] ids with the rows left-aligned, and their [N, W] attention mask."""
+    return _pad(rows, pad, left=False)
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded [N, W] mask (padding gets 0)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class _PromptPass:
+    """The distinct prompts, run once: their KV per layer, the logits of their last token
+    and their left-padded mask."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [U, H, P, D] keys, values
+    last_logits: torch.Tensor  # [U, V]
+    mask: torch.Tensor  # [U, P]
+
+    def continue_with(self, model, owner: torch.Tensor, responses: list[list[int]],
+                      pad_id: int, temperature: float) -> torch.Tensor:
+        """[b, r] log-probabilities of ``responses``, row i continuing prompt ``owner[i]``."""
+        ids, mask = (t.to(owner.device) for t in right_pad(responses, pad_id))
+        logits = self.last_logits[owner][:, None]  # [b, 1, V]: each first token
+        width = ids.shape[1]
+        if width > 1:  # the other tokens, on a cache of their prompts
+            cache = DynamicCache(ddp_cache_data=[(k[owner], v[owner]) for k, v in self.kv],
+                                 config=model.config)
+            starts = self.mask.sum(-1, keepdim=True)[owner]  # [b, 1]
+            out = forward_with_cache(
+                model, cache, input_ids=ids[:, :-1],
+                attention_mask=torch.cat([self.mask[owner], mask[:, :-1]], dim=-1),
+                position_ids=starts + torch.arange(width - 1, device=owner.device))
+            logits = torch.cat([logits, out.logits], dim=1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        return logp.gather(-1, ids[..., None]).squeeze(-1)
+
+
+def length_chunks(lengths: list[int], slack: float = 0.25) -> list[range]:
+    """Consecutive runs of the ascending ``lengths`` whose padded tokens (rows × longest)
+    stay within ``1 + slack`` times their real tokens; a run closes when the next length
+    would break that."""
+    chunks: list[range] = []
+    start = total = 0
+    for j, n in enumerate(lengths):
+        if j > start and (j - start + 1) * n > (1 + slack) * (total + n):
+            chunks.append(range(start, j))
+            start, total = j, 0
+        total += n
+    if lengths:
+        chunks.append(range(start, len(lengths)))
+    return chunks
+
+
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
+                      pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] log-probability of each response token given its prompt and the response
+    tokens before it (temperature-scaled, float32 or wider), and the [B, R] mask of real
+    tokens, responses left-aligned; see the module docstring."""
+    if not all(prompts) or not all(responses):
+        raise ValueError("response_logprobs: every row needs a non-empty prompt and response")
+    device = next(model.parameters()).device
+    index: dict[tuple[int, ...], int] = {}
+    owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts],
+                         device=device)
+    p_ids, p_mask = (t.to(device) for t in left_pad([list(p) for p in index], pad_id))
+    cache = DynamicCache(config=model.config)
+    out = forward_with_cache(model, cache, input_ids=p_ids, attention_mask=p_mask,
+                             position_ids=positions_of(p_mask))
+    prompt = _PromptPass(layer_tensors(cache), out.logits[:, -1], p_mask)
+    width = max(map(len, responses))
+    order = sorted(range(len(responses)), key=lambda i: len(responses[i]))
+    parts = []
+    for chunk in length_chunks([len(responses[i]) for i in order]):
+        rows = [order[j] for j in chunk]
+        logp = prompt.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
+                                    temperature)
+        parts.append(torch.nn.functional.pad(logp, (0, width - logp.shape[1])))
+    restore = torch.empty(len(order), dtype=torch.long, device=device)
+    restore[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+    _, mask = right_pad(responses, pad_id)
+    return torch.cat(parts)[restore], mask.to(device).bool()
