@@ -1,10 +1,11 @@
-"""Sync vs async vs replay at the same wall-clock budget: throughput and held-out accuracy.
+"""Sync vs async vs replay vs async+replay at the same wall-clock budget: throughput and
+held-out accuracy.
 
 Each mode trains the embedded tiny model with the same seeds, data order and pools (one
 LocalCluster per run, all of one configuration) for ``--budget-s`` seconds of training
 (``max_wall_s``: the iteration that crosses the budget still finishes). With ``--repeats 2``
-the runs go sync, async, replay, replay, async, sync, so that a drift in the machine's load
-weighs on every mode alike; throughput and accuracy are averaged over the repeats.
+the runs go through the modes and back in reverse order, so that a drift in the machine's
+load weighs on every mode alike; throughput and accuracy are averaged over the repeats.
 
 Every published version is kept. Afterwards, on one cluster and outside the timed runs, the
 version each run had reached at a few common wall times and sample counts is evaluated on
@@ -14,7 +15,8 @@ Throughput is samples trained (fresh and replayed) per second of training, from 
 iteration's start to the last one's end. ``amdahl_bound_vs_sync`` is the most each mode could
 gain on the sync runs' own stage times, with no contention: async hides generation behind
 everything else, ``t / max(g, t - g)``; replay removes the replayed share r of it,
-``t / (t - r g)`` (t: sync seconds per iteration, g: its generation seconds).
+``t / (t - r g)``; both, ``t / max((1 - r) g, t - g)`` (t: sync seconds per iteration, g: its
+generation seconds).
 
 The default pools give the generation pool and the trainer a core each (``--gen-workers 1
 --train-threads 1``), the disaggregated setting that async and replay address: a synchronous
@@ -43,7 +45,7 @@ from rlhfless.pipeline.loop import evaluate, load_prompt_sets, make_specs, resol
 from rlhfless.pipeline.runs import RunDir
 from rlhfless.schedulers.ledger import CostLedger
 
-MODES = ("sync", "async", "replay")
+MODES = ("sync", "async", "replay", "async+replay")
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
@@ -163,7 +165,9 @@ def main() -> None:
             for m in MODES[1:]},
         "amdahl_bound_vs_sync": {
             "async": round(t / max(g, t - g), 3),
-            "replay": round(t / (t - modes["replay"]["replayed_frac"] * g), 3)},
+            "replay": round(t / (t - modes["replay"]["replayed_frac"] * g), 3),
+            "async+replay": round(
+                t / max((1 - modes["async+replay"]["replayed_frac"]) * g, t - g), 3)},
         "bench_s": round(time.time() - started),
     }))
 

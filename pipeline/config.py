@@ -23,7 +23,7 @@ from .security import check_security
 
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
-    "mode": ("sync", "async", "replay"),
+    "mode": ("sync", "async", "replay", "async+replay"),
     "policy": ("static", "elastic"),
     "assignment": ("length", "round_robin"),
     "backend": ("hf", "vllm"),
@@ -78,9 +78,10 @@ class Config:
     share_prefixes: bool = True
     min_prefix: int = 4  # shortest token prefix worth sharing across prompts
     # execution
-    mode: str = "sync"  # sync | async (bounded staleness) | replay (experience replay)
+    # sync | async (bounded staleness) | replay (experience replay) | async+replay (both)
+    mode: str = "sync"
     max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
-    tis_cap: float = 2.0  # async, replay: cap of the importance weight pi_prox / pi_behaviour
+    tis_cap: float = 2.0  # not sync: cap of the importance weight pi_prox / pi_behaviour
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
     replay_max_age: int = 2  # replay: a group older than this many versions is not replayed
     replay_size: int = 64  # replay: the most groups the buffer holds
@@ -182,15 +183,25 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether generation runs ahead of the update (modes async, async+replay)."""
+        return self.mode in ("async", "async+replay")
+
+    @property
+    def replays(self) -> bool:
+        """Whether batches reuse groups from a replay buffer (modes replay, async+replay)."""
+        return self.mode in ("replay", "async+replay")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def check_mode(cfg: Config) -> None:
     """The knobs of the async and replay modes (pipeline/modes.py)."""
-    if cfg.max_staleness < 0 or cfg.mode == "async" and cfg.max_staleness < 1:
+    if cfg.max_staleness < 0 or cfg.overlaps and cfg.max_staleness < 1:
         raise ConfigError(f"max_staleness = {cfg.max_staleness} must be >= 1 with mode = "
-                          "'async' (0 is mode = 'sync')")
+                          f"{cfg.mode!r} (0 is no overlap: mode = 'sync' or 'replay')")
     if not cfg.tis_cap >= 1:
         raise ConfigError(f"tis_cap = {cfg.tis_cap} must be >= 1 (an on-policy token weighs 1)")
     if not 0 <= cfg.replay_ratio < 1:

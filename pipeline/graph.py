@@ -5,10 +5,16 @@
                    └─ ...                                      ┘
 
 Keys are ``<stage>-<iteration>[-<shard>]``, so ``dask.utils.key_split`` recovers the stage
-for timings and for colouring the rendered graph. ``generate`` needs a ``GEN`` worker,
-``update`` and ``publish`` the ``TRAIN`` worker (Dask resources, set by annotation); dedup,
-shard, reward and advantage run wherever there is room. Groups never straddle shards, so
-advantages are computed per shard, as soon as that shard is scored.
+for timings and for colouring the rendered graph. Placement, by annotation (Dask
+resources): dedup and shard run on the ``TRAIN`` worker, generate, reward and advantage on
+the generation pool (``GEN``), update and publish on ``TRAIN``. The trainer is idle when a
+batch's generation is submitted (between updates; in async mode the runner waits for the
+shards before it submits the update), and the shards it holds pull each generate task to
+whichever generation worker is least busy: Dask runs a task where its inputs are, so shards
+made on one generation worker would all be generated there, and dedup left free to land
+anywhere could also land on a trainer busy with an update, holding back the next batch.
+Groups never straddle shards, so advantages are computed per shard, as soon as that shard is
+scored.
 """
 
 from __future__ import annotations
@@ -60,46 +66,52 @@ def _shard_plan(plan: PrefixPlan, n_shards: int) -> list[pa.Table]:
 def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   gen: GenSpec, reward: RewardSpec, *, seed: int, min_prefix: int,
                   tag: str = "", target_version: int | None = None,
-                  ) -> tuple[Delayed, list[Delayed]]:
-    """dedup → shard → generate → reward for ``prompts``; returns (plan, scored shards).
-    ``target_version``: the trainer version that consumes them (async mode; see
+                  ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
+    """dedup → shard → generate → reward for ``prompts``; returns (plan, shards, scored
+    shards). ``target_version``: the trainer version that consumes them (async mode; see
     ``generate_task``)."""
     it = f"{tag}{iteration}"
-    plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
-                                  dask_key_name=f"{tag}dedup-{it}")
-    shards = delayed(_shard_plan, nout=n_shards)(plan, n_shards, dask_key_name=f"{tag}shard-{it}")
+    with dask.annotate(resources={"TRAIN": 1}):
+        plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
+                                      dask_key_name=f"{tag}dedup-{it}")
+        split = delayed(_shard_plan, nout=n_shards)(plan, n_shards,
+                                                    dask_key_name=f"{tag}shard-{it}")
+        shards = [split[i] for i in range(n_shards)]
     scored = []
-    for i in range(n_shards):
-        with dask.annotate(resources={"GEN": 1}):
-            rollouts = delayed(generate_task)(shards[i], weights, gen, seed * 100_003 + i,
+    with dask.annotate(resources={"GEN": 1}):
+        for i, shard in enumerate(shards):
+            rollouts = delayed(generate_task)(shard, weights, gen, seed * 100_003 + i,
                                               target_version,
                                               dask_key_name=f"{tag}generate-{it}-{i}")
-        scored.append(delayed(reward_task)(rollouts, reward, dask_key_name=f"{tag}reward-{it}-{i}"))
-    return plan, scored
+            scored.append(delayed(reward_task)(rollouts, reward,
+                                               dask_key_name=f"{tag}reward-{it}-{i}"))
+    return plan, shards, scored
 
 
 def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, *, algorithm: str, seed: int,
                     min_prefix: int, target_version: int | None = None,
-                    ) -> tuple[Delayed, list[Delayed]]:
-    """``rollout_graph`` → advantage: returns (plan, one trainable table per shard)."""
-    plan, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
-                                 seed=seed, min_prefix=min_prefix,
-                                 target_version=target_version)
-    trainables = [
-        delayed(advantage_task)(s, algorithm, gen.n_samples,
-                                dask_key_name=f"advantage-{iteration}-{i}")
-        for i, s in enumerate(scored)
-    ]
-    return plan, trainables
+                    ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
+    """``rollout_graph`` → advantage: returns (plan, shards, one trainable table per
+    shard)."""
+    plan, shards, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
+                                         seed=seed, min_prefix=min_prefix,
+                                         target_version=target_version)
+    with dask.annotate(resources={"GEN": 1}):
+        trainables = [
+            delayed(advantage_task)(s, algorithm, gen.n_samples,
+                                    dask_key_name=f"advantage-{iteration}-{i}")
+            for i, s in enumerate(scored)
+        ]
+    return plan, shards, trainables
 
 
 def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, train: TrainSpec, *, algorithm: str,
                     seed: int, min_prefix: int) -> IterationGraph:
     """The graph of one synchronous iteration, producing version ``weights.version + 1``."""
-    plan, trainables = trainable_graph(prompts, weights, iteration, n_shards, gen, reward,
-                                       algorithm=algorithm, seed=seed, min_prefix=min_prefix)
+    plan, _, trainables = trainable_graph(prompts, weights, iteration, n_shards, gen, reward,
+                                          algorithm=algorithm, seed=seed, min_prefix=min_prefix)
     with dask.annotate(resources={"TRAIN": 1}):
         metrics = delayed(update_task)(trainables, weights, train,
                                        dask_key_name=f"update-{iteration}")

@@ -8,8 +8,9 @@
         commit a checkpoint every ``checkpoint_every``; lost the trainer? back to the last one
 
 Held-out accuracy is the mean reward of greedy responses to the held-out prompts.
-``mode = "async"`` and ``"replay"`` run their iterations through ``modes.ModeRunner``
-(generation ahead of the update within a staleness bound; experience replay).
+``mode = "async"``, ``"replay"`` and ``"async+replay"`` run their iterations through
+``modes.ModeRunner`` (generation ahead of the update within a staleness bound; experience
+replay; both).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
     """Held-out accuracy of greedy decoding with ``weights``."""
     if not pc.worker_names("gen"):  # the elastic policy may have released every one
         pc.grow("gen", 1)
-    _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
+    _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
                               tag="eval-")
     tables = pc.client.compute(scored, optimize_graph=False, sync=True)

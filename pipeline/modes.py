@@ -5,13 +5,16 @@ trainer's version ``v_{i-1}``; batch i may come from any published version ``v_p
 ``i - 1 - p <= max_staleness``. ``ModeRunner.step(j)`` runs update j and, while it runs,
 keeps the generation pool busy with the next batches::
 
-    step j:  submit update j on batch j            (v_{j-1} -> v_j, on the trainer)
-             generate batches j+1 .. j+max_staleness with v_{j-1}   (on the generation pool)
+    step j:  submit batches j+1 .. j+max_staleness with v_{j-1}   (generated on the pool)
+             submit update j on batch j            (v_{j-1} -> v_j, on the trainer)
              wait for update j
 
 With ``max_staleness = 1`` this is one-step-off: while update k runs, batch k+1 is generated
 with ``v_{k-1}``. Reward and advantage of a shard start as soon as that shard is generated
 (the per-shard tasks of ``graph.trainable_graph``, or the elastic controller's streaming).
+A batch's graph dedups and shards on the trainer (``graph``), so the runner waits for its
+shards (milliseconds) before it submits the update; the elastic controller generates in this
+process instead, so there the update goes first.
 
 ``mode = "replay"`` (ReFlow: experience replay). Generation is synchronous, but each batch
 takes ``round(replay_ratio * batch_prompts)`` groups (at most ``batch_prompts - 1``) from a
@@ -20,7 +23,13 @@ only the rest. Generation demand shrinks with it: the static graph's shards get 
 prompts, and the elastic policy sizes its pool from the prompts actually generated. After
 the update the fresh groups join the buffer.
 
-In both modes every row keeps the ``policy_version`` that generated it (replayed rows too);
+``mode = "async+replay"`` does both: batches are generated ahead as in async mode, and each
+takes its replayed share from the buffer when it is drawn (fresh groups join the buffer when
+their update is done, so a batch drawn ahead does not see the groups of the update running
+beside it). Fresh rows lag at most ``max_staleness`` versions, replayed ones at most
+``replay_max_age``.
+
+In every mode every row keeps the ``policy_version`` that generated it (replayed rows too);
 the trainer corrects with truncated importance sampling (``ops/offpolicy.py``, cap
 ``tis_cap``); staleness is checked per sample on the trainer before the step
 (``update_task``) and here again, and recorded (``staleness_mean``, ``staleness_max``).
@@ -48,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-from distributed import Future
+from distributed import Future, wait
 
 from rlhfless.ops.offpolicy import check_staleness
 from rlhfless.ops.publish import WeightsRef
@@ -70,12 +79,12 @@ def mode_specs(specs: Specs, cfg: Config) -> Specs:
     """``specs`` for ``cfg.mode``: the staleness bounds of generation and update, the TIS
     cap, and the published versions kept (an async batch may use one ``max_staleness``
     versions old while newer ones are published)."""
-    gen_bound = cfg.max_staleness if cfg.mode == "async" else 0
-    train_bound = {"sync": 0, "async": cfg.max_staleness, "replay": cfg.replay_max_age}
+    gen_bound = cfg.max_staleness if cfg.overlaps else 0
+    train_bound = max(gen_bound, cfg.replay_max_age if cfg.replays else 0)
     update = specs.train.update
     if cfg.mode != "sync":
         update = dataclasses.replace(update, tis_cap=cfg.tis_cap)
-    train = dataclasses.replace(specs.train, update=update, max_staleness=train_bound[cfg.mode],
+    train = dataclasses.replace(specs.train, update=update, max_staleness=train_bound,
                                 keep_versions=max(cfg.keep_weights, gen_bound + 2))
     return dataclasses.replace(specs, train=train,
                                gen=dataclasses.replace(specs.gen, max_staleness=gen_bound))
@@ -95,12 +104,12 @@ class Job:
     facts: dict  # the elastic controller's generation facts
     submitted: float
     position: int  # the sampler's position once this batch was drawn
-    keep: Any = None  # the scattered prompts, held while the graph needs them
+    shards: list[Future] = dataclasses.field(default_factory=list)  # on the trainer
     update: Future | None = None
     published: Future | None = None
 
     def futures(self) -> list[Future]:
-        maybe = [self.plan, self.keep, *self.trainables, self.update, self.published]
+        maybe = [self.plan, *self.shards, *self.trainables, self.update, self.published]
         return [f for f in maybe if isinstance(f, Future)]
 
 
@@ -118,7 +127,7 @@ class ModeRunner:
                  sampler: PromptSampler, durable: Durable | None = None) -> None:
         self.cfg, self.pc, self.specs, self.sampler, self.durable = cfg, pc, specs, sampler, durable
         self.eg = eg if cfg.policy == "elastic" else None
-        self.ahead = cfg.max_staleness if cfg.mode == "async" else 0
+        self.ahead = cfg.max_staleness if cfg.overlaps else 0
         self.buffer = self._new_buffer()
         self.jobs: dict[int, Job] = {}
         self.expected = self.next = 1  # the next step, and the next batch to generate
@@ -126,7 +135,7 @@ class ModeRunner:
         pc.client.get_task_stream(start=time.time())  # start recording task spans
 
     def _new_buffer(self) -> ReplayBuffer | None:
-        if self.cfg.mode != "replay":
+        if not self.cfg.replays:
             return None
         return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed)
 
@@ -140,6 +149,8 @@ class ModeRunner:
         started = time.time()
         try:
             self._generate_until(iteration, weights, iteration)
+            if self.eg is None:  # the graphs ahead shard on the trainer: before the update
+                self._generate_until(iteration + self.ahead, weights, iteration)
             self._submit_update(self.jobs[iteration], weights)
             self._generate_until(iteration + self.ahead, weights, iteration)
             return self._finish(self.jobs.pop(iteration), weights, started)
@@ -195,18 +206,20 @@ class ModeRunner:
             replayed = self.buffer.sample(want, target)
         batch = self.sampler.next_batch(self.cfg.batch_prompts - len(replayed))
         seed = self.cfg.seed * 1_000_003 + i
-        submitted, keep, facts = time.time(), None, {}
+        submitted, shards, facts = time.time(), [], {}
         if self.eg is not None:  # blocking: overlaps the update already submitted
             plan, trainables, facts = self.eg.run_generation(batch, weights, i, self.specs, seed)
-        else:
-            keep = self.pc.client.scatter(batch)
-            graph = trainable_graph(keep, weights, i, self.cfg.gen_workers, self.specs.gen,
-                                    self.specs.reward, algorithm=self.cfg.algorithm, seed=seed,
-                                    min_prefix=self.cfg.min_prefix, target_version=target)
-            plan, *trainables = self.pc.client.compute([graph[0], *graph[1]],
-                                                       optimize_graph=False)
+        else:  # the batch travels in the graph: a worker's death must not lose it
+            plan, parts, tables = trainable_graph(
+                batch, weights, i, self.cfg.gen_workers, self.specs.gen, self.specs.reward,
+                algorithm=self.cfg.algorithm, seed=seed, min_prefix=self.cfg.min_prefix,
+                target_version=target)
+            plan, *futures = self.pc.client.compute([plan, *parts, *tables],
+                                                    optimize_graph=False)
+            shards, trainables = futures[: len(parts)], futures[len(parts):]
+            wait(shards)  # made on the trainer, which an update submitted next would hold
         return Job(i, target, weights, len(batch), replayed, plan, trainables, facts,
-                   submitted, self.sampler.position, keep)
+                   submitted, self.sampler.position, shards)
 
     # ---- consumer ----------------------------------------------------------------------
 

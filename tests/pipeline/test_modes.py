@@ -57,6 +57,33 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(tiny_model_dir,
     assert (run.weights / "v3.safetensors").exists()
 
 
+def test_async_replay_with_the_elastic_policy_keeps_both_bounds(tiny_model_dir, tmp_path):
+    """Both modes at once under the elastic policy: batches generated ahead (the driver
+    generates batch i+1 while update i runs), part of each from the buffer; fresh rows lag
+    at most max_staleness versions, replayed ones at most replay_max_age."""
+    cfg = _quick(tiny_model_dir, tmp_path, mode="async+replay", policy="elastic",
+                 iterations=4, batch_prompts=6, n_samples=4, max_staleness=1,
+                 replay_ratio=0.5, replay_max_age=2, lambda_cost=1.0, checkpoint_every=100,
+                 rewards=PARITY)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    records = _iterations(run)
+    assert [m["iteration"] for m in records] == [1, 2, 3, 4]
+    assert [m["generated_by"] for m in records] == [0, 0, 1, 2]
+    scaled = {d["iteration"]: d["prompts"] for d in run.read_jsonl("decisions.jsonl")
+              if d["kind"] == "scale"}
+    for m in records:
+        trainer = m["iteration"] - 1
+        assert m["policy_version"] == trainer
+        assert m["fresh_prompts"] + m["replayed_groups"] == cfg.batch_prompts
+        assert scaled[m["iteration"]] == m["fresh_prompts"]
+        table = pq.read_table(run.path / "rollouts" / f"iter-{m['iteration']:05d}.parquet")
+        assert len(table) == m["fresh_prompts"] * cfg.n_samples
+        for version in table.column("policy_version").to_pylist():  # fresh rows, per sample
+            assert 0 <= trainer - version <= cfg.max_staleness
+        assert m["staleness_max"] <= cfg.replay_max_age
+    assert sum(m["replayed_groups"] for m in records) > 0
+
+
 @pytest.mark.slow
 def test_replay_with_elastic_policy_generates_only_fresh_prompts(tiny_model_dir, tmp_path):
     cfg = _quick(tiny_model_dir, tmp_path, mode="replay", policy="elastic", iterations=2,
@@ -127,14 +154,18 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
     r = mode_specs(specs, Config(mode="replay", replay_max_age=4))
     assert (r.gen.max_staleness, r.train.max_staleness, r.train.keep_versions) == (0, 4, 2)
     assert r.train.update.tis_cap == 2.0
+    both = mode_specs(specs, Config(mode="async+replay", max_staleness=1, replay_max_age=3))
+    assert (both.gen.max_staleness, both.train.max_staleness) == (1, 3)
+    assert both.train.keep_versions == 3
 
 
 @pytest.mark.parametrize("values, words", [
     ({"mode": "async", "max_staleness": 0}, ["max_staleness", ">= 1", "'sync'"]),
+    ({"mode": "async+replay", "max_staleness": 0}, ["max_staleness", "'async+replay'"]),
     ({"mode": "replay", "replay_ratio": 1.0}, ["replay_ratio", "[0, 1)"]),
     ({"tis_cap": 0.9}, ["tis_cap", ">= 1"]),
     ({"replay_size": 0}, ["replay_size", ">= 1"]),
-    ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay'"]),
+    ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay', 'async+replay'"]),
 ])
 def test_mode_knobs_are_checked(values, words):
     with pytest.raises(ConfigError) as err:
