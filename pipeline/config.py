@@ -202,6 +202,12 @@ def check_mode(cfg: Config) -> None:
     if cfg.max_staleness < 0 or cfg.overlaps and cfg.max_staleness < 1:
         raise ConfigError(f"max_staleness = {cfg.max_staleness} must be >= 1 with mode = "
                           f"{cfg.mode!r} (0 is no overlap: mode = 'sync' or 'replay')")
+    youngest = 2 * cfg.max_staleness + 1  # see pipeline/modes.py, async+replay
+    if cfg.overlaps and cfg.replays and cfg.replay_max_age < youngest:
+        raise ConfigError(
+            f"replay_max_age = {cfg.replay_max_age} must be >= 2 * max_staleness + 1 = "
+            f"{youngest} with mode = 'async+replay': the youngest group in the buffer is that "
+            "many versions older than the batches it can join, so none would ever be replayed")
     if not cfg.tis_cap >= 1:
         raise ConfigError(f"tis_cap = {cfg.tis_cap} must be >= 1 (an on-policy token weighs 1)")
     if not 0 <= cfg.replay_ratio < 1:

@@ -27,7 +27,9 @@ the update the fresh groups join the buffer.
 takes its replayed share from the buffer when it is drawn (fresh groups join the buffer when
 their update is done, so a batch drawn ahead does not see the groups of the update running
 beside it). Fresh rows lag at most ``max_staleness`` versions, replayed ones at most
-``replay_max_age``.
+``replay_max_age``, which must be at least ``2 * max_staleness + 1``: batch j, generated with
+``v_{j-1-s}`` (s = max_staleness), joins the buffer after update j, when the batch being
+drawn is j+1+s, for trainer ``v_{j+s}``, so its groups are ``2s + 1`` versions old there.
 
 In every mode every row keeps the ``policy_version`` that generated it (replayed rows too);
 the trainer corrects with truncated importance sampling (``ops/offpolicy.py``, cap

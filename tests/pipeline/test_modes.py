@@ -63,7 +63,7 @@ def test_async_replay_with_the_elastic_policy_keeps_both_bounds(tiny_model_dir, 
     at most max_staleness versions, replayed ones at most replay_max_age."""
     cfg = _quick(tiny_model_dir, tmp_path, mode="async+replay", policy="elastic",
                  iterations=4, batch_prompts=6, n_samples=4, max_staleness=1,
-                 replay_ratio=0.5, replay_max_age=2, lambda_cost=1.0, checkpoint_every=100,
+                 replay_ratio=0.5, replay_max_age=3, lambda_cost=1.0, checkpoint_every=100,
                  rewards=PARITY)
     run = train(cfg, progress=False, log=lambda *_: None)
     records = _iterations(run)
@@ -162,6 +162,8 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
 @pytest.mark.parametrize("values, words", [
     ({"mode": "async", "max_staleness": 0}, ["max_staleness", ">= 1", "'sync'"]),
     ({"mode": "async+replay", "max_staleness": 0}, ["max_staleness", "'async+replay'"]),
+    ({"mode": "async+replay", "max_staleness": 1, "replay_max_age": 2},
+     ["replay_max_age = 2", ">= 2 * max_staleness + 1 = 3"]),
     ({"mode": "replay", "replay_ratio": 1.0}, ["replay_ratio", "[0, 1)"]),
     ({"tis_cap": 0.9}, ["tis_cap", ">= 1"]),
     ({"replay_size": 0}, ["replay_size", ">= 1"]),
