@@ -20,9 +20,7 @@ generation seconds).
 
 The default pools give the generation pool and the trainer a core each (``--gen-workers 1
 --train-threads 1``), the disaggregated setting that async and replay address: a synchronous
-run leaves one pool idle while the other works. ``--lr 5e-4``: training at the default 2e-3
-oscillates on the tiny task, which would make accuracy at equal time a coin toss. Prints one
-JSON line.
+run leaves one pool idle while the other works. Prints one JSON line.
 
     python bench/modes.py [--budget-s 90] [--repeats 2] [--gen-workers 1] [--train-threads 1]
                           [--modes sync,async,replay,async+replay] [--replay-max-age 3]
@@ -138,7 +136,7 @@ def main() -> None:
     parser.add_argument("--train-threads", type=int, default=1)
     parser.add_argument("--batch-prompts", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=Config.lr)
     parser.add_argument("--policy", choices=("static", "elastic"), default="static")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--replay-ratio", type=float, default=0.5)
