@@ -24,6 +24,7 @@ run leaves one pool idle while the other works. Prints one JSON line.
 
     python bench/modes.py [--budget-s 90] [--repeats 2] [--gen-workers 1] [--train-threads 1]
                           [--modes sync,async,replay,async+replay] [--replay-max-age 3]
+                          [--tis-cap 2.0]
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
                   policy=args.policy, gen_workers=args.gen_workers,
                   train_threads=args.train_threads, batch_prompts=args.batch_prompts,
                   n_samples=args.n_samples, max_staleness=args.max_staleness,
-                  replay_ratio=args.replay_ratio, replay_max_age=args.replay_max_age)
+                  replay_ratio=args.replay_ratio, replay_max_age=args.replay_max_age,
+                  tis_cap=args.tis_cap)
 
 
 def run_once(name: str, mode: str, args, runs_dir: str) -> dict:
@@ -141,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--replay-ratio", type=float, default=0.5)
     parser.add_argument("--replay-max-age", type=int, default=3)
+    parser.add_argument("--tis-cap", type=float, default=Config.tis_cap)
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated, sync first (the baseline)")
     parser.add_argument("--heldout", type=int, default=128)
@@ -170,6 +173,7 @@ def main() -> None:
         "train_threads": args.train_threads, "batch_prompts": args.batch_prompts,
         "n_samples": args.n_samples, "lr": args.lr, "max_staleness": args.max_staleness,
         "replay_ratio": args.replay_ratio, "replay_max_age": args.replay_max_age,
+        "tis_cap": args.tis_cap,
         "heldout_prompts": args.heldout,
         "accuracy_at_start": accuracy[0, 0],
         "modes": modes,
