@@ -130,7 +130,6 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         logp = prompt.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
                                     temperature)
         parts.append(torch.nn.functional.pad(logp, (0, width - logp.shape[1])))
-    restore = torch.empty(len(order), dtype=torch.long, device=device)
-    restore[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
-    _, mask = right_pad(responses, pad_id)
-    return torch.cat(parts)[restore], mask.to(device).bool()
+    restore = torch.argsort(torch.tensor(order, device=device))
+    lengths = torch.tensor([len(r) for r in responses], device=device)
+    return torch.cat(parts)[restore], torch.arange(width, device=device) < lengths[:, None]

@@ -83,25 +83,38 @@ def lengths_figure(data: RunData, max_iterations: int = 16) -> Figure | None:
     return fig
 
 
+def _named_by_suffix(its: list[dict], suffix: str) -> list[str]:
+    """Every ``name`` with a ``<name><suffix>`` key in ``its``, in first-seen order."""
+    names: list[str] = []
+    for m in its:
+        names += [k[: -len(suffix)] for k in m
+                  if k.endswith(suffix) and k[: -len(suffix)] not in names]
+    return names
+
+
+def _stacked_bars(ax, its: list[dict], names: list[str], suffix: str,
+                  colours: dict[str, str], **style) -> np.ndarray:
+    """One bar per iteration, stacking ``<name><suffix>`` of every name; returns the x."""
+    x = np.array([m["iteration"] for m in its])
+    bottom = np.zeros(len(its))
+    for i, name in enumerate(names):
+        secs = np.array([m.get(f"{name}{suffix}", 0.0) for m in its])
+        ax.bar(x, secs, bottom=bottom, color=_colour(colours, name, i), label=name, **style)
+        bottom += secs
+    return x
+
+
 def stage_seconds_figure(data: RunData) -> Figure | None:
     its = [m for m in data.iterations if any(k.endswith("_busy_s") for k in m)]
     if not its:
         return None
-    stages: list[str] = []
-    for m in its:
-        stages += [k[: -len("_busy_s")] for k in m if k.endswith("_busy_s")
-                   and k[: -len("_busy_s")] not in stages]
+    stages = _named_by_suffix(its, "_busy_s")
     order = [s for s in STAGE_COLOURS if s in stages] + [s for s in stages
                                                          if s not in STAGE_COLOURS]
-    x = np.array([m["iteration"] for m in its])
     fig = Figure(figsize=(7, 3.4))
     ax = fig.subplots()
-    bottom = np.zeros(len(its))
-    for i, stage in enumerate(order):
-        secs = np.array([m.get(f"{stage}_busy_s", 0.0) for m in its])
-        ax.bar(x, secs, bottom=bottom, color=_colour(STAGE_COLOURS, stage, i), label=stage,
-               edgecolor="white", linewidth=0.5)
-        bottom += secs
+    x = _stacked_bars(ax, its, order, "_busy_s", STAGE_COLOURS, edgecolor="white",
+                      linewidth=0.5)
     if all("iteration_s" in m for m in its):
         ax.plot(x, [m["iteration_s"] for m in its], "k_", ms=14, mew=2,
                 label="iteration wall time")
@@ -156,16 +169,10 @@ def worker_seconds_figure(data: RunData) -> Figure | None:
     its = [m for m in data.iterations if any(k.endswith("_worker_s") for k in m)]
     if not its:
         return None
-    pools = sorted({k[: -len("_worker_s")] for m in its for k in m if k.endswith("_worker_s")},
-                   key=lambda p: (p != "gen", p))
-    x = np.array([m["iteration"] for m in its])
+    pools = sorted(_named_by_suffix(its, "_worker_s"), key=lambda p: (p != "gen", p))
     fig = Figure(figsize=(7, 3.2))
     ax = fig.subplots()
-    bottom = np.zeros(len(its))
-    for i, pool in enumerate(pools):
-        secs = np.array([m.get(f"{pool}_worker_s", 0.0) for m in its])
-        ax.bar(x, secs, bottom=bottom, color=_colour(POOL_COLOURS, pool, i), label=pool)
-        bottom += secs
+    _stacked_bars(ax, its, pools, "_worker_s", POOL_COLOURS)
     ax.set_xlabel("iteration")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("worker·s (GPU·s on GPU pools)")
