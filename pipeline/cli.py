@@ -28,7 +28,7 @@ from .loop import make_specs, train
 from .recovery import ResumeError, resume_config
 from .report import add_parser as add_report_parser
 from .report import run_from_args as report_from_args
-from .runs import RunDir
+from .runs import RunDir, RunDirError
 from .simulate import add_parser as add_simulate_parser
 from .simulate import run_from_args as simulate_from_args
 
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                     resume=bool(resume))
     except ResumeError as err:
         print(f"rlhfless: cannot resume: {err}", file=sys.stderr)
+        return 2
+    except RunDirError as err:
+        print(f"rlhfless: {err}", file=sys.stderr)
         return 2
     evals = [m for m in run.metrics() if m.get("event") == "eval"]
     summary = {"run": str(run.path), "heldout_accuracy_start": evals[0]["heldout_accuracy"],

@@ -33,6 +33,9 @@ CHOICES = {
     "on_long_prompt": ("error", "truncate", "skip"),
 }
 
+# a run name is one path component: runs/<name>/ never points outside runs/
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
 
 class ConfigError(ValueError):
     """A bad key or value in the configuration; the message is one actionable line."""
@@ -120,6 +123,10 @@ class Config:
     job_start_timeout_s: float = 600.0  # a job not running a worker by then is an error
 
     def __post_init__(self) -> None:
+        if not RUN_NAME.fullmatch(self.name):
+            raise ConfigError(f"name = {self.name!r} is not allowed: a run name is one path "
+                              "component of letters, digits, '.', '_' and '-' that starts with "
+                              "a letter or digit (at most 128 characters)")
         for key, allowed in CHOICES.items():
             value = getattr(self, key)
             if value not in allowed:

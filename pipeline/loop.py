@@ -192,8 +192,18 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
           on_metrics: Callable[[dict], None] | None = None, resume: bool = False) -> RunDir:
     """Run ``cfg.iterations`` synchronous iterations; returns the run directory.
     ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
-    ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint."""
+    ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
+    The run directory is locked by this call while it runs (runs.py)."""
     run = open_run(cfg, overwrite=overwrite, resume=resume)
+    try:
+        _train_in(run, cfg, progress, log, on_metrics, resume)
+    finally:
+        run.release()
+    return run
+
+
+def _train_in(run: RunDir, cfg: Config, progress: bool, log,
+              on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path)
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
@@ -252,7 +262,6 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
                                    "by_iteration": ledger.by_iteration(),
                                    "records": ledger.records(),
                                    "before_resume": durable.totals_before})
-    return run
 
 
 def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:

@@ -10,6 +10,15 @@
     rollouts/iter-N.parquet   every sample of iteration N
     weights/vN.safetensors    the newest published policy versions
     checkpoints/iter-N/       zarr v3 checkpoints, committed atomically (checkpoint.py)
+    .rlhfless-run        marker: this directory is a run (only such a directory is overwritten)
+    .lock                held (``flock``) by the one process that owns the run while it lives
+
+A run name is one path component (``config.RUN_NAME``). The process that creates or resumes a
+run holds an exclusive ``flock`` on ``.lock`` until it ends; the kernel releases it on any
+exit, SIGKILL included, so a lock is never stale. A second process (a second ``train`` of the
+same name, ``--resume`` or ``--overwrite`` of a live run) is refused and touches nothing.
+``--overwrite`` replaces only a directory with the marker: it takes the old run's lock, renames
+the directory aside, removes it, and creates the new run.
 
 Files are written to a temporary name and renamed into place, so a reader never mistakes
 a partial file for a whole one. Every metrics record is also handed to ``listeners`` (a
@@ -18,9 +27,13 @@ notebook's live plot, TensorBoard), in the order appended.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,26 +42,125 @@ import pyarrow.parquet as pq
 
 from .config import Config
 
+MARKER = ".rlhfless-run"
+LOCK = ".lock"
+
+
+class RunDirError(RuntimeError):
+    """A run directory cannot be created, replaced or taken; the message says why and what
+    to do, in one line."""
+
+
+def is_run(path: Path) -> bool:
+    """Whether ``path`` is a run directory of ours (a real directory with the marker)."""
+    return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
+
+
+def lock_run(path: Path):
+    """The open lock file of the run in ``path``, locked exclusively; ``RunDirError`` if
+    another process holds it. The lock lasts as long as the file stays open."""
+    lock = (path / LOCK).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "another process"
+        lock.close()
+        raise RunDirError(f"run directory {path} is in use by a live run ({owner}); wait for "
+                          "it to end or choose another name (--set name=...)") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
+
+
+def _remove_run(path: Path) -> None:
+    """Remove the run in ``path`` (ours, and locked by this process): renamed aside first, so
+    that the name never points at a half-removed run, then deleted."""
+    aside = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex[:8]}")
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
+def _started(path: Path) -> bool:
+    """Whether the run in ``path`` recorded an iteration (a torn last line is no record)."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if json.loads(line).get("event") == "iteration":
+                return True
+        except (ValueError, AttributeError):
+            continue
+    return False
+
+
+def _claim(path: Path, overwrite: bool):
+    """Make ``path`` a new, empty run directory locked by this process; returns the lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+            return lock_run(path)
+        except FileExistsError:
+            pass
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            return lock_run(path)  # an empty directory: take it
+        if not is_run(path):
+            raise RunDirError(f"{path} exists and is not a run directory (no {MARKER}); "
+                              "choose another name (--set name=...) or runs_dir; --overwrite "
+                              "replaces only a run")
+        if not overwrite and _started(path):  # one that never recorded an iteration holds
+            raise RunDirError(  # nothing to resume and must not block a rerun
+                f"run directory {path} exists; choose another name (--set name=...) "
+                "or pass --overwrite")
+        old = lock_run(path)  # refused while the old run is live
+        try:
+            _remove_run(path)
+        finally:
+            old.close()
+        path.mkdir()
+        return lock_run(path)
+    except (PermissionError, FileExistsError, NotADirectoryError) as err:
+        raise RunDirError(f"cannot create run directory {path}: {err.strerror}; choose a "
+                          "writable runs_dir (--set runs_dir=...)") from None
+
 
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.listeners: list[Callable[[dict], None]] = []
+        self._lock = None  # the open, locked .lock of a run this process owns
 
     @classmethod
     def create(cls, cfg: Config, overwrite: bool = False) -> RunDir:
-        path = cfg.run_dir
-        if path.exists() and any(path.iterdir()):
-            if not overwrite:
-                raise FileExistsError(
-                    f"run directory {path} exists; choose another name (--set name=...) "
-                    "or pass --overwrite"
-                )
-            shutil.rmtree(path)
-        (path / "rollouts").mkdir(parents=True, exist_ok=True)
+        """A new run directory, locked by this process until ``release``. An existing run
+        that is not live is replaced with ``overwrite``, or when it never recorded an
+        iteration; nothing else is ever removed."""
+        path = cfg.run_dir  # cfg.name is one safe path component (config.py)
         run = cls(path)
+        run._lock = _claim(path, overwrite)
+        (path / MARKER).write_text(json.dumps({"name": cfg.name, "created": time.time()}))
+        (path / "rollouts").mkdir(exist_ok=True)
         run.write_json("config.json", cfg.to_dict())
         return run
+
+    @classmethod
+    def take(cls, path: str | Path) -> RunDir:
+        """The existing run in ``path``, locked by this process (to resume it)."""
+        run = cls(path)
+        run._lock = lock_run(run.path)
+        if not (run.path / MARKER).exists():  # a run written before the marker existed
+            (run.path / MARKER).write_text(json.dumps({"name": run.path.name}))
+        return run
+
+    def release(self) -> None:
+        """Give up the lock (also released when this process exits, however it exits)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     @property
     def weights(self) -> Path:

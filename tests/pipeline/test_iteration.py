@@ -9,7 +9,7 @@ import pytest
 
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import PromptSampler, train
-from rlhfless.pipeline.runs import RunDir
+from rlhfless.pipeline.runs import RunDir, RunDirError
 
 
 def test_sampler_is_seeded_and_covers_each_epoch(tiny_model_dir):
@@ -55,7 +55,7 @@ def test_training_run_yields_every_sample_once(tiny_model_dir, tmp_path):
 
 def test_existing_run_directory_is_not_overwritten(tmp_path):
     cfg = Config(runs_dir=str(tmp_path), name="taken")
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    RunDir.create(cfg).release()
+    (tmp_path / "taken" / "metrics.jsonl").write_text('{"event": "iteration"}\n')
+    with pytest.raises(RunDirError, match="--overwrite"):
         RunDir.create(cfg)
