@@ -98,7 +98,8 @@ def resume_config(run_path: str | Path, overrides: list[str] = ()) -> Config:
 
 def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunDir:
     """A new run directory; with ``resume`` the existing one, its config.json rewritten with
-    the configuration the run continues with."""
+    the configuration the run continues with. Either is locked by this process until
+    ``RunDir.release`` (runs.py)."""
     if not resume:
         return RunDir.create(cfg, overwrite=overwrite)
     if overwrite:
@@ -106,8 +107,12 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
     if not (cfg.run_dir / "config.json").is_file():
         raise ResumeError(f"cannot resume {cfg.run_dir}: it is not a run directory "
                           "(no config.json)")
-    _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
-    run = RunDir(cfg.run_dir)
+    run = RunDir.take(cfg.run_dir)  # refused while another process runs it
+    try:
+        _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
+    except ResumeError:
+        run.release()
+        raise
     (run.path / "rollouts").mkdir(exist_ok=True)
     run.write_json("config.json", cfg.to_dict())
     return run

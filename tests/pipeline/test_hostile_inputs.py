@@ -8,6 +8,10 @@ probes hold a run in a second, real process (``HOLDER``) and kill it with SIGKIL
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -88,3 +92,37 @@ def test_an_existing_run_is_not_replaced_without_overwrite(tree, capsys):
     assert err == ("rlhfless: run directory runs/keep exists; choose another name "
                    "(--set name=...) or pass --overwrite")
     assert snapshot(tree) == before
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.runs import RunDir
+    run = RunDir.create(Config(runs_dir="runs", name="live"))
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_live_run_is_locked_against_a_second_process_until_it_dies(tree, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=tree, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        before = snapshot(tree)
+        in_use = (f"rlhfless: run directory runs/live is in use by a live run (pid "
+                  f"{holder.pid} on ")
+        for argv in (["train", "--resume", "runs/live"],
+                     ["train", "--set", "name='live'", "--overwrite"],
+                     ["train", "--set", "name='live'"]):
+            err = one_line_error(capsys, argv)
+            assert err.startswith(in_use) or err.startswith(
+                in_use.replace("rlhfless: ", "rlhfless: cannot resume: ")), err
+        assert snapshot(tree) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel dropped the lock with the process: no stale lock
+    err = one_line_error(capsys, ["train", "--resume", "runs/live"])
+    assert "no whole checkpoint" in err, err
+    RunDir.create(Config(runs_dir="runs", name="live"), overwrite=True).release()
