@@ -16,6 +16,11 @@ deployment, so the elastic policy scales batch jobs exactly as it scales local p
   ``--lifetime`` / ``--lifetime-stagger`` so that a worker leaves gracefully before the batch
   system kills it at the walltime.
 
+Both are TLS with mutual authentication by default (``security.py``): the local deployment
+hands its ``Security`` to the scheduler, every nanny and worker; a batch job's worker gets
+the paths of the run's certificate and key (files only the run's user can read, on the
+shared file system) as ``--tls-*`` arguments and speaks ``tls://``.
+
 Billing (``CostLedger``) starts when a job is submitted, queue wait included: the ledger is
 an upper bound of what the site charges. dask-jobqueue is imported only by the jobqueue
 deployment (the ``hpc`` extra).
@@ -136,9 +141,11 @@ class JobQueueDeployment(Deployment):
 
     restarts_workers = False
 
-    def __init__(self, settings: JobSettings, job_name_prefix: str = "rlhfless") -> None:
+    def __init__(self, settings: JobSettings, job_name_prefix: str = "rlhfless",
+                 security: Security | None = None) -> None:
         self.settings = settings
         self.prefix = job_name_prefix
+        self.security = security  # file-based: its paths go on the worker command line
         self.start_timeout_s = settings.start_timeout_s
 
     def _jobqueue(self):
@@ -184,6 +191,8 @@ class JobQueueDeployment(Deployment):
             "job_script_prologue": [f"export {k}={v}" for k, v in env.items()] + list(s.prologue),
             "python": s.python,
         }
+        if self.security is not None:
+            options |= {"security": self.security, "protocol": "tls://"}
         if s.queue:
             options["queue"] = s.queue
         if s.account:
@@ -212,7 +221,7 @@ class JobQueueDeployment(Deployment):
         # cores/memory here only validate the template; every pool brings its own
         return cluster_cls(cores=1, memory="1GiB", processes=1, walltime=s.walltime,
                            scheduler_options=scheduler, silence_logs=logging.WARNING,
-                           python=s.python)
+                           python=s.python, security=self.security)
 
     def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
         _, job_cls = self._classes()
@@ -232,17 +241,16 @@ class JobQueueDeployment(Deployment):
 
 
 def deployment_from_config(cfg: Config, run_path: str | Path) -> Deployment:
-    """The deployment of ``cfg.cluster``; batch jobs log under ``<run>/jobs``."""
+    """The deployment of ``cfg.cluster``; batch jobs log under ``<run>/jobs``. Its TLS
+    credentials are the run's own, in ``<run>/tls``, unless ``[security]`` says otherwise."""
+    security = make_security(cfg.security, run_path)
     if cfg.cluster == "local":
-        return LocalDeployment(cfg.scheduler_host, cfg.dashboard_address,
-                               make_security(cfg.security))
-    if cfg.security:  # never drop a TLS requirement silently
-        raise ValueError(f"[security] applies to cluster = 'local'; for cluster = "
-                         f"{cfg.cluster!r} configure TLS in distributed's own config")
+        return LocalDeployment(cfg.scheduler_host, cfg.dashboard_address, security)
     settings = JobSettings(
         system=cfg.cluster, queue=cfg.queue, account=cfg.account, walltime=cfg.walltime,
         lifetime=cfg.worker_lifetime, prologue=tuple(cfg.job_prologue),
         log_directory=str(Path(run_path).resolve() / "jobs"),
         scheduler_host=cfg.scheduler_host, interface=cfg.interface,
         dashboard_address=cfg.dashboard_address, start_timeout_s=cfg.job_start_timeout_s)
-    return JobQueueDeployment(settings, job_name_prefix=f"rlhfless-{cfg.name}")
+    return JobQueueDeployment(settings, job_name_prefix=f"rlhfless-{cfg.name}",
+                              security=security)

@@ -1,10 +1,12 @@
-"""Safe defaults: the cluster listens on 127.0.0.1, TLS passes through from the config,
-rewards never evaluate model text as code, checkpoints load without unpickling."""
+"""Safe defaults: the cluster listens on 127.0.0.1 and speaks TLS with per-run credentials
+(or the configured ones), rewards never evaluate model text as code, checkpoints load without unpickling."""
 
 from __future__ import annotations
 
 import ast
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
@@ -12,6 +14,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 from distributed import Client
+from distributed.security import Security
 
 from rlhfless.ops import reward
 from rlhfless.pipeline import checkpoint, zarr_state
@@ -57,12 +60,62 @@ def test_security_section_is_checked(tmp_path):
         load_config(None, ["security={require_encryption='yes'}"])
     with pytest.raises(ConfigError, match="security = 3 must be a table"):
         load_config(None, ["security=3"])
+    with pytest.raises(ConfigError, match="enabled = false turns TLS off, but"):
+        load_config(None, ["security={enabled=false, tls_ca_file='ca.pem'}"])
     with pytest.raises(FileNotFoundError, match="tls_ca_file"):
-        make_security({"tls_ca_file": str(tmp_path / "missing.pem")})
-    assert make_security({}) is None
-    cfg = load_config(None, ["security={require_encryption=true}", "cluster='slurm'"])
-    with pytest.raises(ValueError, match="applies to cluster = 'local'"):
-        deployment_from_config(cfg, tmp_path)  # never dropped silently
+        make_security({"tls_ca_file": str(tmp_path / "missing.pem")}, tmp_path)
+    assert make_security({"enabled": False}, tmp_path) is None
+    assert not (tmp_path / "tls").exists()
+
+
+def test_run_credentials_are_readable_by_the_run_user_only(tmp_path):
+    security = make_security({}, tmp_path)
+    assert security.require_encryption
+    assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700
+    for name in ("cert.pem", "key.pem"):
+        assert stat.S_IMODE((tmp_path / "tls" / name).stat().st_mode) == 0o600
+    assert security.get_tls_config_for_role("worker")["key"] == str(tmp_path / "tls" / "key.pem")
+    if os.geteuid() == 0 and shutil.which("setpriv"):  # another Unix user cannot read the key
+        other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                "cat", str(tmp_path / "tls" / "key.pem")], capture_output=True)
+        assert other.returncode != 0 and b"Permission denied" in other.stderr
+
+
+def test_batch_jobs_get_the_paths_of_the_credentials_not_their_content(tmp_path):
+    cfg = load_config(None, ["cluster='slurm'"])
+    deployment = deployment_from_config(cfg, tmp_path)
+    script = deployment.job_script(POOLS[0])
+    assert f"--tls-key {tmp_path / 'tls' / 'key.pem'}" in script
+    assert f"--tls-ca-file {tmp_path / 'tls' / 'cert.pem'}" in script
+    assert "--protocol tls://" in script and "BEGIN" not in script
+
+
+def test_by_default_only_holders_of_the_run_credentials_reach_the_cluster(tmp_path):
+    cfg = load_config(None, [f"runs_dir='{tmp_path}'"])
+    deployment = deployment_from_config(cfg, tmp_path)
+    with PoolCluster(POOLS, CostLedger(cfg.prices), deployment=deployment) as pc:
+        scheduler = pc.client.scheduler.address
+        workers = list(pc.client.scheduler_info(n_workers=-1)["workers"])
+        assert scheduler.startswith("tls://127.0.0.1:") and host_of(pc.dashboard_link) in LOOPBACK
+        assert all(a.startswith("tls://127.0.0.1:") for a in workers)
+        stranger = Security.temporary()  # valid TLS, but not the run's certificate
+        for address in (scheduler, *workers):
+            with pytest.raises((OSError, TypeError)):  # no credentials: no TLS context at all
+                Client(address, timeout="3s")
+            with pytest.raises(OSError):  # the handshake fails: mutual authentication
+                Client(address, security=stranger, timeout="3s")
+        with Client(scheduler, security=deployment.security, timeout="10s") as owner:
+            pid = owner.submit(os.getpid, resources={"GEN": 1}).result()
+            assert pid != os.getpid()  # ran in a worker process
+
+
+def test_the_opt_out_is_plain_tcp_and_open_to_any_local_client(tmp_path):
+    cfg = load_config(None, ["security={enabled=false}"])
+    with PoolCluster(POOLS, CostLedger(cfg.prices),
+                     deployment=deployment_from_config(cfg, tmp_path)) as pc:
+        assert pc.client.scheduler.address.startswith("tcp://127.0.0.1:")
+        with Client(pc.client.scheduler.address, timeout="10s") as anyone:
+            assert anyone.submit(sum, [1, 2], resources={"GEN": 1}).result() == 3
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")

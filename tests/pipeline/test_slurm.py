@@ -69,6 +69,8 @@ def test_generation_pool_of_slurm_jobs_scales_with_the_policy(slurm, tiny_model_
                 if n.startswith(f"{prefix}-gen-")}
     names = {re.search(r"Worker name:\s+(\S+)", t).group(1) for t in gen_jobs.values()}
     assert len(gen_jobs) >= 2 and all(n.startswith("gen-") for n in names), names
+    # the secure default: every job's worker spoke TLS to the scheduler
+    assert all(re.search(r"Registered to:\s+tls://", t) for t in logs.values()), logs
 
     # scaled up and down by the policy, every decision recorded
     decisions = run.read_jsonl("decisions.jsonl")
