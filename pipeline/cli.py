@@ -6,6 +6,9 @@
     rlhfless graph [config.toml] [--set key=value ...] [-o iteration.png]
     rlhfless simulate [scenario.toml ...] [--plan --deadline S | --budget GPU_S]
     rlhfless report runs/<name> [-o DIR]
+
+A bad input ends in one line on stderr and exit status 2 (``--debug``: the traceback too);
+anything else that goes wrong is one line naming the exception, exit status 1.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import dask
 from dask.core import get_dependencies
 from dask.utils import key_split
 
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.records import BadRow
 from rlhfless.ops.schema import PROMPTS
 
 from .checkpoint import add_export_parser, export_from_args
@@ -56,8 +61,41 @@ def render_graph(cfg, filename: str) -> str:
     return filename
 
 
+# errors of what the user gave (config, paths, data, run directories): one line, exit 2
+USER_ERRORS = (ConfigError, ResumeError, RunDirError, BadRow, FileNotFoundError,
+               IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; every error is one line on stderr unless ``--debug`` is given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        return run_command([a for a in argv if a != "--debug"])
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(f"rlhfless: {one_line(err)}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if debug:
+            raise
+        print(f"rlhfless: unexpected {type(err).__name__}: {one_line(err)} (rerun with "
+              "--debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line (a config error says so first)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    prefix = {ConfigError: "config error: ", ResumeError: "cannot resume: "}.get(type(err), "")
+    return prefix + (text if len(text) <= 400 else text[:397] + "...")
+
+
+def run_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlhfless", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (any position)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("train", "graph"):
         p = sub.add_parser(name)
@@ -83,28 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return report_from_args(args)
     resume = getattr(args, "resume", None)
-    try:
-        if resume and args.config:
-            raise ConfigError("--resume reads the run's config.json; change keys with --set")
-        cfg = resume_config(resume, args.set) if resume else load_config(args.config, args.set)
-    except ConfigError as err:
-        print(f"rlhfless: config error: {err}", file=sys.stderr)
-        return 2
-    except ResumeError as err:
-        print(f"rlhfless: cannot resume: {err}", file=sys.stderr)
-        return 2
+    if resume and args.config:
+        raise ConfigError("--resume reads the run's config.json; change keys with --set")
+    cfg = resume_config(resume, args.set) if resume else load_config(args.config, args.set)
     if args.command == "graph":
+        folder = Path(args.output).resolve().parent
+        if not folder.is_dir():
+            raise ConfigError(f"graph -o {args.output}: the folder {folder} does not exist; "
+                              "create it or choose another path")
         print(render_graph(cfg, args.output))
         return 0
-    try:
-        run = train(cfg, overwrite=args.overwrite, progress=not args.no_progress,
-                    resume=bool(resume))
-    except ResumeError as err:
-        print(f"rlhfless: cannot resume: {err}", file=sys.stderr)
-        return 2
-    except RunDirError as err:
-        print(f"rlhfless: {err}", file=sys.stderr)
-        return 2
+    run = train(cfg, overwrite=args.overwrite, progress=not args.no_progress,
+                resume=bool(resume))
     evals = [m for m in run.metrics() if m.get("event") == "eval"]
     summary = {"run": str(run.path), "heldout_accuracy_start": evals[0]["heldout_accuracy"],
                "heldout_accuracy_end": evals[-1]["heldout_accuracy"]}

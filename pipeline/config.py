@@ -300,6 +300,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
             values |= tomllib.loads(Path(path).read_text())
         except FileNotFoundError as err:
             raise ConfigError(f"config file {path} does not exist") from err
+        except IsADirectoryError as err:
+            raise ConfigError(f"config file {path} is a directory; give a TOML file") from err
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {path} is not UTF-8 text; give a TOML file") from err
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {path}: {err}") from err
     for item in overrides:

@@ -40,6 +40,7 @@ from .config import Config
 from .deploy import deployment_from_config
 from .elastic import ElasticGeneration, ElasticState
 from .graph import iteration_graph, rollout_graph
+from .inputs import check_inputs
 from .metrics import iteration_record
 from .modes import make_runner, mode_specs
 from .observe import observed
@@ -194,6 +195,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
     ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
     ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
     The run directory is locked by this call while it runs (runs.py)."""
+    check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
     run = open_run(cfg, overwrite=overwrite, resume=resume)
     try:
         _train_in(run, cfg, progress, log, on_metrics, resume)

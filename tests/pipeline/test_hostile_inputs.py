@@ -8,12 +8,14 @@ probes hold a run in a second, real process (``HOLDER``) and kill it with SIGKIL
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from rlhfless.pipeline.cli import main
@@ -126,3 +128,96 @@ def test_a_live_run_is_locked_against_a_second_process_until_it_dies(tree, capsy
     err = one_line_error(capsys, ["train", "--resume", "runs/live"])
     assert "no whole checkpoint" in err, err
     RunDir.create(Config(runs_dir="runs", name="live"), overwrite=True).release()
+
+
+def cli_as_another_user(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; as root, as user nobody (root may write anywhere)."""
+    prefix = (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+              if os.geteuid() == 0 else [])
+    return subprocess.run([*prefix, sys.executable, "-m", "rlhfless.pipeline.cli", *argv],
+                          cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HOME": str(cwd)})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "dataset='missing.jsonl'"],
+     "config error: dataset = 'missing.jsonl': no such file; give the path of a .jsonl"),
+    (["--set", "heldout='precious'"],
+     "config error: heldout = 'precious' is a directory; give a .jsonl, .json or .parquet"),
+    (["precious"], "config error: config file precious is a directory; give a TOML file"),
+    (["--set", "model='precious'"],
+     "config error: model = 'precious': no Hugging Face config.json there"),
+    (["--set", "rewards={tally='no_such_module:score'}"],
+     "config error: rewards.tally = 'no_such_module:score' does not import "
+     "(ModuleNotFoundError: No module named 'no_such_module'); give a verifier"),
+    (["--set", "rewards={tally='broken_reward:score'}"],
+     "config error: rewards.tally = 'broken_reward:score' does not import (ZeroDivisionError"),
+    (["--set", "rewards={tally='good_reward:nothing'}"],
+     "config error: rewards.tally = 'good_reward:nothing' does not import (AttributeError"),
+    (["--set", "rewards={tally='good_reward:CONSTANT'}"],
+     "config error: rewards.tally = 'good_reward:CONSTANT' is a float, not a function"),
+    (["--set", "default_reward='good_reward:score'"],
+     "config error: default_reward = 'good_reward:score' is not a verifier"),
+    (["--set", "runs_dir='precious/thesis.tex/runs'"],
+     "cannot create run directory precious/thesis.tex/runs/fresh: Not a directory; choose a "
+     "writable runs_dir"),
+])
+def test_bad_inputs_fail_in_one_line_before_anything_is_written(tree, capsys, argv, message):
+    (tree / "broken_reward.py").write_text("1 / 0\n")
+    (tree / "good_reward.py").write_text("CONSTANT = 0.5\n\ndef score(text, answer):\n"
+                                         "    return 1.0\n")
+    before = snapshot(tree)
+    err = one_line_error(capsys, ["train", *argv, "--set", "name='fresh'"])
+    assert err.startswith(f"rlhfless: {message}"), err
+    assert {k: v for k, v in snapshot(tree).items() if "__pycache__" not in k} == before
+
+
+def test_debug_shows_the_traceback(tree):
+    with pytest.raises(Exception, match="no such file"):
+        main(["train", "--debug", "--set", "dataset='missing.jsonl'"])
+
+
+def test_unwritable_runs_dir_is_one_line(tree):
+    (tree / "runs").chmod(0o755)  # owned by this user: another cannot write there
+    before = snapshot(tree)
+    done = cli_as_another_user(tree, ["train", "--set", "name='fresh'"])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("rlhfless: cannot create run directory runs/fresh: "
+                                   "Permission denied; choose a writable runs_dir "
+                                   "(--set runs_dir=...)"), done.stderr
+    assert snapshot(tree) == before
+
+
+def test_graph_into_a_missing_folder_is_one_line(tree, capsys):
+    before = snapshot(tree)
+    err = one_line_error(capsys, ["graph", "-o", "no/such/folder/graph.png"])
+    assert err.startswith("rlhfless: config error: graph -o no/such/folder/graph.png: the "
+                          "folder ") and err.endswith("does not exist; create it or choose "
+                                                      "another path")
+    assert snapshot(tree) == before
+
+
+def test_a_run_that_fails_before_its_first_iteration_does_not_block_a_rerun(tree, capsys):
+    (tree / "bad.jsonl").write_text('{"prompt": "1 2", "answer": "2"}\nnot json\n')
+    argv = ["train", "--set", "dataset='bad.jsonl'", "--set", "name='early'"]
+    first = one_line_error(capsys, argv)
+    assert "bad.jsonl" in first and "line 2" in first, first
+    assert one_line_error(capsys, argv) == first  # not "runs/early exists"
+    assert sorted(p.name for p in (tree / "runs").iterdir()) == ["early", "keep", "not-a-run"]
+
+
+@pytest.mark.slow
+def test_a_reward_module_in_the_working_directory_reaches_the_workers(tree, tiny_model_dir):
+    """The ``rlhfless`` script (not ``python -m``): the working directory is not on its
+    ``sys.path`` until the driver puts it there, and the workers score with the module."""
+    (tree / "half_reward.py").write_text("def score(text, answer):\n    return 0.5\n")
+    script = Path(sys.executable).with_name("rlhfless")
+    done = subprocess.run(
+        [str(script), "train", "--no-progress", "--set", "name='cwd'", "--set",
+         f"model='{tiny_model_dir}'", "--set", "rewards={tally='half_reward:score'}",
+         *[f"--set={kv}" for kv in ("iterations=1", "batch_prompts=4", "n_samples=2",
+                                    "max_new_tokens=8", "heldout_prompts=4", "eval_every=1")]],
+        cwd=tree, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rewards = pq.read_table(tree / "runs" / "cwd" / "rollouts" / "iter-00001.parquet")
+    assert set(rewards.column("reward").to_pylist()) == {0.5}
