@@ -96,9 +96,34 @@ def resume_config(run_path: str | Path, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+# what a resumed run may change: how long it goes on, how often it evaluates and checkpoints,
+# how it recovers, and where its batch jobs run; every other key shapes what it learns
+RESUMABLE = ("iterations", "max_wall_s", "eval_every", "checkpoint_every", "keep_checkpoints",
+             "max_recoveries", "job_start_timeout_s", "walltime", "worker_lifetime", "queue",
+             "account", "job_prologue")
+
+
+def config_changes(cfg: Config) -> dict[str, dict[str, Any]]:
+    """``{key: {"old": saved, "new": cfg's}}`` for the keys ``cfg`` changes from the
+    ``config.json`` of its run (name and runs_dir are where the run is, not settings);
+    ``ResumeError`` naming them if any is not in ``RESUMABLE``."""
+    saved = load_config(None, base=RunDir(cfg.run_dir).read_json("config.json")
+                        | {"runs_dir": cfg.runs_dir, "name": cfg.name}).to_dict()
+    changes = {key: {"old": saved[key], "new": new} for key, new in cfg.to_dict().items()
+               if new != saved[key]}
+    refused = [f"{k} ({v['old']!r} -> {v['new']!r})" for k, v in changes.items()
+               if k not in RESUMABLE]
+    if refused:
+        raise ResumeError(f"{cfg.run_dir} cannot continue with {', '.join(refused)} changed; "
+                          f"a resumed run may change only {', '.join(RESUMABLE)} (start a new "
+                          "run for the others)")
+    return changes
+
+
 def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunDir:
     """A new run directory; with ``resume`` the existing one, its config.json rewritten with
-    the configuration the run continues with. Either is locked by this process until
+    the configuration the run continues with (changes of ``RESUMABLE`` keys only, each
+    appended to config_changes.jsonl first). Either is locked by this process until
     ``RunDir.release`` (runs.py)."""
     if not resume:
         return RunDir.create(cfg, overwrite=overwrite)
@@ -107,12 +132,17 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
     if not (cfg.run_dir / "config.json").is_file():
         raise ResumeError(f"cannot resume {cfg.run_dir}: it is not a run directory "
                           "(no config.json)")
+    config_changes(cfg)  # refused before anything is written
     run = RunDir.take(cfg.run_dir)  # refused while another process runs it
     try:
-        _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
+        changes = config_changes(cfg)  # the saved config, now that no one else writes it
+        path, _ = _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
     except ResumeError:
         run.release()
         raise
+    if changes:  # kept, old and new value, before config.json takes the new ones
+        run.append_jsonl("config_changes.jsonl", {"time": time.time(), "resumed_from":
+                                                  path.name, "changes": changes})
     (run.path / "rollouts").mkdir(exist_ok=True)
     run.write_json("config.json", cfg.to_dict())
     return run

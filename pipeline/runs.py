@@ -1,6 +1,7 @@
 """The run directory: everything a run writes lives under ``runs/<name>/``.
 
     config.json          the resolved configuration
+    config_changes.jsonl what each --resume changed (old and new value; recovery.RESUMABLE)
     metrics.jsonl        one JSON object per iteration (and per held-out evaluation)
     decisions.jsonl      every scaling, migration and release decision (elastic policy)
     ledger.json          worker-seconds and cost per pool, per iteration, per worker

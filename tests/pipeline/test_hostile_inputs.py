@@ -9,6 +9,7 @@ probes hold a run in a second, real process (``HOLDER``) and kill it with SIGKIL
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.recovery import open_run, resume_config
 from rlhfless.pipeline.runs import MARKER, RunDir
 
 
@@ -221,3 +223,31 @@ def test_a_reward_module_in_the_working_directory_reaches_the_workers(tree, tiny
     assert done.returncode == 0, done.stderr[-2000:]
     rewards = pq.read_table(tree / "runs" / "cwd" / "rollouts" / "iter-00001.parquet")
     assert set(rewards.column("reward").to_pylist()) == {0.5}
+
+
+@pytest.fixture
+def resumable(finished_run, tree) -> Path:
+    """A copy of a finished two-iteration run (checkpoints included) in ``tree``."""
+    shutil.copytree(finished_run, tree / "runs" / "finished")
+    return Path("runs/finished")
+
+
+def test_resume_refuses_a_changed_setting_before_touching_the_run(tree, capsys, resumable):
+    before = snapshot(tree)
+    err = one_line_error(capsys, ["train", "--resume", str(resumable), "--set", "lr=1e-3",
+                                  "--set", "iterations=4", "--set", "n_samples=4"])
+    assert err.startswith("rlhfless: cannot resume: runs/finished cannot continue with "
+                          "n_samples (3 -> 4), lr (0.0005 -> 0.001) changed; a resumed run may "
+                          "change only iterations, max_wall_s, eval_every"), err
+    assert snapshot(tree) == before
+
+
+def test_an_accepted_change_on_resume_is_recorded_old_and_new(tree, resumable):
+    cfg = resume_config(resumable, ["iterations=4", "eval_every=2", "lr=5e-4"])
+    open_run(cfg, resume=True).release()
+    changes = RunDir(resumable).read_jsonl("config_changes.jsonl")
+    assert [c["changes"] for c in changes] == [
+        {"iterations": {"old": 2, "new": 4}, "eval_every": {"old": 1, "new": 2}}]
+    assert changes[0]["resumed_from"] == "iter-00002"
+    saved = RunDir(resumable).read_json("config.json")
+    assert (saved["iterations"], saved["eval_every"]) == (4, 2)

@@ -1,5 +1,6 @@
 """Safe defaults: the cluster listens on 127.0.0.1 and speaks TLS with per-run credentials
-(or the configured ones), rewards never evaluate model text as code, checkpoints load without unpickling."""
+(or the configured ones), rewards never evaluate model text as code, checkpoints load without
+unpickling."""
 
 from __future__ import annotations
 
