@@ -5,6 +5,7 @@ unpickling."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import shutil
 import stat
@@ -15,6 +16,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 from distributed import Client
+from distributed.comm import connect
 from distributed.security import Security
 
 from rlhfless.ops import reward
@@ -91,6 +93,20 @@ def test_batch_jobs_get_the_paths_of_the_credentials_not_their_content(tmp_path)
     assert "--protocol tls://" in script and "BEGIN" not in script
 
 
+async def attempt_connection(address: str, security: Security | None) -> None:
+    """Open a comm to ``address`` as a client with ``security`` (bounded in time)."""
+    args = security.get_connection_args("client") if security else {}
+    comm = await asyncio.wait_for(connect(address, timeout="3s", **args), 20)
+    await comm.close()
+
+
+async def attempt_client(address: str, security: Security) -> None:
+    async def start() -> None:
+        async with Client(address, security=security, asynchronous=True, timeout="3s") as c:
+            await c.submit(os.getpid)
+    await asyncio.wait_for(start(), 20)
+
+
 def test_by_default_only_holders_of_the_run_credentials_reach_the_cluster(tmp_path):
     cfg = load_config(None, [f"runs_dir='{tmp_path}'"])
     deployment = deployment_from_config(cfg, tmp_path)
@@ -101,10 +117,12 @@ def test_by_default_only_holders_of_the_run_credentials_reach_the_cluster(tmp_pa
         assert all(a.startswith("tls://127.0.0.1:") for a in workers)
         stranger = Security.temporary()  # valid TLS, but not the run's certificate
         for address in (scheduler, *workers):
-            with pytest.raises((OSError, TypeError)):  # no credentials: no TLS context at all
-                Client(address, timeout="3s")
+            with pytest.raises(TypeError, match="TLS expects a `ssl_context` argument"):
+                asyncio.run(attempt_connection(address, None))
             with pytest.raises(OSError):  # the handshake fails: mutual authentication
-                Client(address, security=stranger, timeout="3s")
+                asyncio.run(attempt_connection(address, stranger))
+        with pytest.raises(OSError):  # and so does a client that would submit work
+            asyncio.run(attempt_client(scheduler, stranger))
         with Client(scheduler, security=deployment.security, timeout="10s") as owner:
             pid = owner.submit(os.getpid, resources={"GEN": 1}).result()
             assert pid != os.getpid()  # ran in a worker process
