@@ -13,13 +13,15 @@
     checkpoints/iter-N/       zarr v3 checkpoints, committed atomically (checkpoint.py)
     .rlhfless-run        marker: this directory is a run (only such a directory is overwritten)
     .lock                held (``flock``) by the one process that owns the run while it lives
+    tls/                 the cluster's key and certificate of this start (0700/0600; security.py)
 
 A run name is one path component (``config.RUN_NAME``). The process that creates or resumes a
 run holds an exclusive ``flock`` on ``.lock`` until it ends; the kernel releases it on any
 exit, SIGKILL included, so a lock is never stale. A second process (a second ``train`` of the
 same name, ``--resume`` or ``--overwrite`` of a live run) is refused and touches nothing.
 ``--overwrite`` replaces only a directory with the marker: it takes the old run's lock, renames
-the directory aside, removes it, and creates the new run.
+the directory aside, removes it, and creates the new run; a run that never recorded an
+iteration (it failed or was killed first) is replaced so, without ``--overwrite``.
 
 Files are written to a temporary name and renamed into place, so a reader never mistakes
 a partial file for a whole one. Every metrics record is also handed to ``listeners`` (a
