@@ -7,7 +7,9 @@ alternating ABBA over ``--repeats`` pairs so that a drift in the machine's load 
 both alike. Per-iteration seconds come from each run's ``metrics.jsonl`` (``iteration_s``);
 the cluster's start (TLS handshakes of every worker included) is timed apart. Held-out
 evaluation is cut to a few prompts and done only at the start and the end (outside the
-iteration times). ``iteration_s`` is the median over the iterations after each run's first.
+iteration times). ``iteration_s`` is the median over the iterations after each run's first;
+``iteration_cpu_s`` the same for the CPU seconds of the driver (scheduler included) and every
+worker process, which a busy neighbour on a shared machine disturbs far less than wall time.
 Prints one JSON line.
 
     python bench/security.py [--iterations 6] [--repeats 1]
@@ -22,6 +24,8 @@ import tempfile
 import time
 from statistics import mean, median
 
+import psutil
+
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import train
 
@@ -32,13 +36,35 @@ def run_once(setting: str, index: int, iterations: int, runs_dir: str) -> dict:
     cfg = Config(name=f"{setting}-{index}", runs_dir=runs_dir, iterations=iterations,
                  heldout_prompts=8, eval_every=iterations, checkpoint_every=iterations,
                  security=SETTINGS[setting])
-    started = {}
+    started, cpu = {}, []
+
+    def on_metrics(record: dict) -> None:
+        started.setdefault("first", time.perf_counter())
+        if record.get("event") in ("iteration", "eval") and record.get("iteration") is not None:
+            cpu.append((record["event"], cpu_seconds()))
+
     t0 = time.perf_counter()
-    run = train(cfg, progress=False, log=lambda *_: None,
-                on_metrics=lambda r: started.setdefault("first", time.perf_counter()))
+    run = train(cfg, progress=False, log=lambda *_: None, on_metrics=on_metrics)
     records = [r for r in run.metrics() if r.get("event") == "iteration"]
+    # CPU of one iteration: from the record before it (an iteration's, or the first eval's)
+    # to its own; an eval in between would count, so there is none until the last
+    marks = [c for _, c in cpu[:-1]] if cpu and cpu[-1][0] == "eval" else [c for _, c in cpu]
     return {"iteration_s": [r["iteration_s"] for r in records],
+            "iteration_cpu_s": [b - a for a, b in zip(marks, marks[1:])],
             "start_s": started["first"] - t0, "total_s": time.perf_counter() - t0}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every live child (the workers)."""
+    me = psutil.Process()
+    total = 0.0
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def main() -> None:
@@ -56,12 +82,16 @@ def main() -> None:
     # robust to a neighbour's burst on a shared machine
     per_iteration = {s: median(t for r in rs for t in r["iteration_s"][1:])
                      for s, rs in runs.items()}
+    cpu_per_iteration = {s: median(t for r in rs for t in r["iteration_cpu_s"][1:])
+                         for s, rs in runs.items()}
     print(json.dumps({
         "iterations_per_run": args.iterations, "runs": {s: len(rs) for s, rs in runs.items()},
         "iteration_s": per_iteration,
         "iteration_s_each": {s: [[round(t, 3) for t in r["iteration_s"]] for r in rs]
                              for s, rs in runs.items()},
         "tls_over_plain_iteration": per_iteration["tls"] / per_iteration["plain"],
+        "iteration_cpu_s": cpu_per_iteration,
+        "tls_over_plain_iteration_cpu": cpu_per_iteration["tls"] / cpu_per_iteration["plain"],
         "start_s": {s: mean(r["start_s"] for r in rs) for s, rs in runs.items()},
         "load_1m": os.getloadavg()[0],
     }))
