@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except ResumeError as err:
         print(f"rlhfless: cannot resume: {err}", file=sys.stderr)
         return 2
+    except ConfigError as err:  # found once the data is read
+        print(f"rlhfless: config error: {err}", file=sys.stderr)
+        return 2
     evals = [m for m in run.metrics() if m.get("event") == "eval"]
     summary = {"run": str(run.path), "heldout_accuracy_start": evals[0]["heldout_accuracy"],
                "heldout_accuracy_end": evals[-1]["heldout_accuracy"]}

@@ -1,0 +1,91 @@
+"""Hostile and careless data, through the real command line: every probe ends in one line
+on stderr that names the problem and the fix, a non-zero exit, no traceback, and nothing
+changed outside the run's own directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlhfless.pipeline.cli import main
+
+RUN = "probe"
+
+
+def tally_rows(n: int, start: int = 0) -> list[dict]:
+    return [{"prompt_id": f"p{i}", "prompt": f"Count the items one by one, then give the "
+             f"total.\nItems: {' '.join(['nut'] * (1 + i % 4))}\nAnswer:",
+             "answer": str(1 + i % 4), "data_source": "tally"} for i in range(start, start + n)]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` outside ``skip``: (size, mtime in ns)."""
+    out = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            p = Path(directory) / name
+            if skip not in p.parents:
+                st = p.stat()
+                out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def probe(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """``probe(*argv)`` runs ``rlhfless train`` with the quick tiny model in a run directory
+    under ``tmp_path/runs`` and returns (exit code, stderr lines); it checks that nothing
+    outside the run directory changed."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / RUN
+
+    def run(*argv: str, command: str = "train") -> tuple[int, list[str]]:
+        before = snapshot(tmp_path, run_dir)
+        base = ["--set", f"model={tiny_model_dir}", "--set", f"name={RUN}", "--set",
+                "runs_dir=runs", "--no-progress"] if command == "train" else []
+        capsys.readouterr()
+        code = main([command, *argv, *base])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert snapshot(tmp_path, run_dir) == before, "files outside the run directory changed"
+        return code, err
+
+    return run
+
+
+def one_line(code: int, err: list[str], *fragments: str) -> str:
+    assert code != 0, err
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    for fragment in fragments:
+        assert fragment in err[0], (fragment, err[0])
+    return err[0]
+
+
+def test_a_dataset_smaller_than_a_batch_is_one_line(probe, tmp_path):
+    data = write_jsonl(tmp_path / "five.jsonl", tally_rows(5))
+    code, err = probe("--set", f"dataset={data}", "--set", "batch_prompts=8")
+    one_line(code, err, "five.jsonl", "5 prompts", "batch_prompts = 8", "at most 5")
+
+
+def test_a_batch_across_the_epoch_boundary_trains(probe, tmp_path):
+    """10 prompts, batch 8: iteration 2 crosses into epoch 2 (it crashed with "has 8
+    samples, expected 4")."""
+    data = write_jsonl(tmp_path / "ten.jsonl", tally_rows(10))
+    code, err = probe("--set", f"dataset={data}", "--set", "batch_prompts=8", "--set",
+                      "n_samples=2", "--set", "iterations=2", "--set", "max_new_tokens=8",
+                      "--set", "heldout_prompts=2", "--set", "eval_every=100",
+                      "--set", "gen_workers=1", "--set", "train_threads=1")
+    assert code == 0, err
+    for it in (1, 2):
+        table = pq.read_table(tmp_path / "runs" / RUN / "rollouts" / f"iter-{it:05d}.parquet")
+        pairs = Counter(zip(table.column("prompt_id").to_pylist(),
+                            table.column("sample_idx").to_pylist()))
+        assert len(pairs) == 16 and set(pairs.values()) == {1}, (it, pairs)
