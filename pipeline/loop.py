@@ -274,7 +274,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
           observed(run, pc.dashboard_link, on_metrics)):
         log(f"dashboard: {pc.dashboard_link}")
         eg = ElasticGeneration(pc, cfg, run, state)
-        durable = Durable(pc, run, cfg, specs.train, model_path, prompts)
+        durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, state, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})

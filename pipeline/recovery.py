@@ -38,6 +38,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,15 +107,15 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
     if not (cfg.run_dir / "config.json").is_file():
         raise ResumeError(f"cannot resume {cfg.run_dir}: it is not a run directory "
                           "(no config.json)")
-    _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
+    _newest_whole(cfg.run_dir / "checkpoints", content=False)  # fail before starting anything
     run = RunDir(cfg.run_dir)
     (run.path / "rollouts").mkdir(exist_ok=True)
     run.write_json("config.json", cfg.to_dict())
     return run
 
 
-def _newest_whole(root: Path) -> tuple[Path, list[str]]:
-    path, skipped = ckpt.latest(root)
+def _newest_whole(root: Path, content: bool = True) -> tuple[Path, list[str]]:
+    path, skipped = ckpt.latest(root, content)
     if path is None:
         raise ResumeError(f"no whole checkpoint under {root} "
                           f"({'; '.join(skipped) or 'none written'}); start the run again "
@@ -176,8 +177,9 @@ class Durable:
     """Checkpoints, resume and recovery of one run; see the module docstring."""
 
     def __init__(self, pc: PoolCluster, run: RunDir, cfg: Config, spec: TrainSpec,
-                 model_path: str | Path, prompts: pa.Table) -> None:
-        self.pc, self.run, self.cfg, self.spec = pc, run, cfg, spec
+                 model_path: str | Path, prompts: pa.Table,
+                 log: Callable[[str], None] = print) -> None:
+        self.pc, self.run, self.cfg, self.spec, self.log = pc, run, cfg, spec, log
         self.model_path = str(model_path)
         self.digest = data_digest(prompts)
         self.root = run.path / "checkpoints"
@@ -263,6 +265,7 @@ class Durable:
             self.save(0, weights, sampler, state, ledger)
             return 0, weights
         path, skipped = _newest_whole(self.root)
+        self._say_skipped(skipped, path)
         self.totals_before = dict(ckpt.read_driver(path, restore_rng=False).ledger_totals)
         iteration, weights = self.restore(path, sampler, state, drop_eval_at=True)
         self.run.append_metrics({"event": "resume", "iteration": iteration,
@@ -302,6 +305,7 @@ class Durable:
         if path is None:
             raise RuntimeError(f"the trainer was lost and no whole checkpoint is left under "
                                f"{self.root} ({'; '.join(skipped)})") from err
+        self._say_skipped(skipped, path)
         self._wait_forgotten(ckpt.iteration_of(path) + 1)
         iteration, weights = self.restore(path, sampler, state, drop_eval_at=False)
         self.run.append_metrics({"event": "recover", "iteration": iteration,
@@ -309,6 +313,11 @@ class Durable:
                                  "error": error, "skipped": skipped,
                                  "recoveries": self.recoveries})
         return iteration, weights
+
+    def _say_skipped(self, skipped: list[str], used: Path) -> None:
+        """One line for every newer checkpoint passed over, and why."""
+        for line in skipped:
+            self.log(f"checkpoint skipped, using {used.name}: {line}")
 
     def _wait_forgotten(self, first: int) -> None:
         """Wait (bounded) until this client and the scheduler dropped the tasks of the

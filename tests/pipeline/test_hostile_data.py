@@ -5,12 +5,15 @@ changed outside the run's own directory."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rlhfless.pipeline.cli import main
 
@@ -43,20 +46,20 @@ def snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture
 def probe(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """``probe(*argv)`` runs ``rlhfless train`` with the quick tiny model in a run directory
-    under ``tmp_path/runs`` and returns (exit code, stderr lines); it checks that nothing
-    outside the run directory changed."""
+    under ``tmp_path/runs`` and returns (exit code, stderr lines, stdout); it checks that
+    nothing outside the run directory changed."""
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "runs" / RUN
 
-    def run(*argv: str, command: str = "train") -> tuple[int, list[str]]:
+    def run(*argv: str, command: str = "train") -> tuple[int, list[str], str]:
         before = snapshot(tmp_path, run_dir)
         base = ["--set", f"model={tiny_model_dir}", "--set", f"name={RUN}", "--set",
                 "runs_dir=runs", "--no-progress"] if command == "train" else []
         capsys.readouterr()
         code = main([command, *argv, *base])
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        out, err = capsys.readouterr()
         assert snapshot(tmp_path, run_dir) == before, "files outside the run directory changed"
-        return code, err
+        return code, [line for line in err.splitlines() if line.strip()], out
 
     return run
 
@@ -71,7 +74,7 @@ def one_line(code: int, err: list[str], *fragments: str) -> str:
 
 def test_a_dataset_smaller_than_a_batch_is_one_line(probe, tmp_path):
     data = write_jsonl(tmp_path / "five.jsonl", tally_rows(5))
-    code, err = probe("--set", f"dataset={data}", "--set", "batch_prompts=8")
+    code, err, _ = probe("--set", f"dataset={data}", "--set", "batch_prompts=8")
     one_line(code, err, "five.jsonl", "5 prompts", "batch_prompts = 8", "at most 5")
 
 
@@ -79,7 +82,7 @@ def test_a_batch_across_the_epoch_boundary_trains(probe, tmp_path):
     """10 prompts, batch 8: iteration 2 crosses into epoch 2 (it crashed with "has 8
     samples, expected 4")."""
     data = write_jsonl(tmp_path / "ten.jsonl", tally_rows(10))
-    code, err = probe("--set", f"dataset={data}", "--set", "batch_prompts=8", "--set",
+    code, err, _ = probe("--set", f"dataset={data}", "--set", "batch_prompts=8", "--set",
                       "n_samples=2", "--set", "iterations=2", "--set", "max_new_tokens=8",
                       "--set", "heldout_prompts=2", "--set", "eval_every=100",
                       "--set", "gen_workers=1", "--set", "train_threads=1")
@@ -89,3 +92,27 @@ def test_a_batch_across_the_epoch_boundary_trains(probe, tmp_path):
         pairs = Counter(zip(table.column("prompt_id").to_pylist(),
                             table.column("sample_idx").to_pylist()))
         assert len(pairs) == 16 and set(pairs.values()) == {1}, (it, pairs)
+
+
+def test_resume_passes_over_a_checkpoint_overwritten_in_place(probe, tmp_path):
+    """A weight chunk overwritten with as many bytes of NaN: resume used it (sizes matched)
+    and trained on NaN weights from then on."""
+    small = ["--set", "batch_prompts=4", "--set", "n_samples=2", "--set", "max_new_tokens=8",
+             "--set", "heldout_prompts=2", "--set", "eval_every=100", "--set", "gen_workers=1",
+             "--set", "train_threads=1", "--set", "checkpoint_every=1"]
+    code, err, _ = probe(*small, "--set", "iterations=2")
+    assert code == 0, err
+    run = tmp_path / "runs" / RUN
+    chunk = next((run / "checkpoints" / "iter-00002" / "trainer" / "model").rglob("c.*"))
+    chunk.write_bytes(b"\xff" * chunk.stat().st_size)
+    code, err, out = probe("--resume", str(run), "--set", "iterations=3")
+    assert code == 0, err
+    said = [line for line in out.splitlines() if line.startswith("checkpoint skipped")]
+    assert len(said) == 1 and "using iter-00001" in said[0] and "CRC32C" in said[0], out
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert resumed[-1]["iteration"] == 1 and "iter-00002" in resumed[-1]["skipped"][0]
+    last = [e for e in events if e["event"] == "iteration"][-1]
+    assert last["iteration"] == 3 and math.isfinite(last["loss"])
+    weights = load_file(run / "weights" / "v3.safetensors")
+    assert all(torch.isfinite(t.float()).all() for t in weights.values())
