@@ -152,9 +152,10 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     )
 
 
-def load_prompt_sets(cfg: Config, model_path: Path) -> tuple[pa.Table, pa.Table, dict]:
-    """The training and held-out prompts, and what loading skipped. Fewer training prompts
-    than a batch is a ``ConfigError`` of one line."""
+def load_prompt_sets(cfg: Config, model_path: Path,
+                     log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
+    """The training and held-out prompts, and what loading skipped (counted, and said once
+    through ``log``). Fewer training prompts than a batch is a ``ConfigError`` of one line."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
@@ -167,18 +168,29 @@ def load_prompt_sets(cfg: Config, model_path: Path) -> tuple[pa.Table, pa.Table,
     if n < cfg.batch_prompts:  # a batch never repeats a prompt
         raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
                           f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
+    _say_skipped(log, source, train)
+    _say_skipped(log, f"heldout {cfg.heldout or 'of the tiny task'}", heldout)
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
     return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
 
 
 def _skipped(result: LoadResult) -> str:
-    """`` (of N rows read: k bad, m over max_prompt_tokens skipped)`` when loading dropped
-    rows, else nothing."""
-    dropped = [f"{n} {why}" for n, why in ((result.n_skipped_bad, "bad"),
-                                          (result.n_skipped_long, "over max_prompt_tokens"))
-               if n]
-    return f" (of {result.n_rows_read} rows read: {', '.join(dropped)} skipped)" if dropped else ""
+    """`` (of N rows read: k bad skipped, m over max_prompt_tokens skipped, t truncated to
+    max_prompt_tokens)`` when loading dropped or cut rows, else nothing."""
+    dropped = [f"{n} {why}" for n, why in (
+        (result.n_skipped_bad, "bad skipped"),
+        (result.n_skipped_long, "over max_prompt_tokens skipped"),
+        (result.n_truncated, "truncated to max_prompt_tokens")) if n]
+    return f" (of {result.n_rows_read} rows read: {', '.join(dropped)})" if dropped else ""
+
+
+def _say_skipped(log: Callable[[str], None], source: str, result: LoadResult) -> None:
+    """One line, once, for what loading ``source`` skipped or truncated, with the first
+    reason."""
+    if _skipped(result):
+        first = f"; first: {result.skipped[0]}" if result.skipped else ""
+        log(f"{source}: {len(result.table)} prompts{_skipped(result)}{first}")
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
@@ -260,7 +272,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
     ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint."""
     run = open_run(cfg, overwrite=overwrite, resume=resume)
     model_path = resolve_model(cfg, log=log)
-    prompts, heldout, counts = load_prompt_sets(cfg, model_path)
+    prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
                         **counts})
     specs = mode_specs(make_specs(cfg, model_path, run), cfg)
@@ -280,6 +292,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = make_runner(cfg, pc, eg, specs, sampler, durable), time.time()
+        said_reward_errors = False
         while done < cfg.iterations:
             iteration = done + 1
             t0 = time.time()
@@ -302,6 +315,8 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
             record |= worker_seconds(ledger, t0, time.time())
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
+            said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
+                                                                         cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                 accuracy = evaluate(pc, heldout, weights, specs, cfg)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
@@ -318,6 +333,18 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
                                    "records": ledger.records(),
                                    "before_resume": durable.totals_before})
     return run
+
+
+def say_reward_errors(log: Callable[[str], None], iteration: int, table: pa.Table,
+                      fallback: float) -> bool:
+    """Say the first iteration with failed reward calls, in one line; True if it did."""
+    errors = table.column("reward_error").drop_null()
+    if not len(errors):
+        return False
+    log(f"iteration {iteration}: {len(errors)} of {len(table)} samples got reward_fallback = "
+        f"{fallback:g} (first: {errors[0]}); every iteration's count is reward_errors in "
+        "metrics.jsonl, and this is said once")
+    return True
 
 
 def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:

@@ -116,3 +116,32 @@ def test_resume_passes_over_a_checkpoint_overwritten_in_place(probe, tmp_path):
     assert last["iteration"] == 3 and math.isfinite(last["loss"])
     weights = load_file(run / "weights" / "v3.safetensors")
     assert all(torch.isfinite(t.float()).all() for t in weights.values())
+
+
+def test_skips_and_bad_rewards_are_said_once_and_counted(probe, tmp_path):
+    """Long prompts skipped and rewards of 1e300: one line each on the terminal with the
+    count, counted in metrics.jsonl, and the batch keeps its advantages."""
+    rows = tally_rows(12)
+    for row in rows[:3]:
+        row["prompt"] += " nut" * 60
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    code, err, out = probe(
+        "--set", f"dataset={data}", "--set", "max_prompt_tokens=60", "--set", "iterations=2",
+        "--set", 'rewards={tally = "hostile_reward:overflowing"}', "--set", "batch_prompts=4",
+        "--set", "n_samples=4", "--set", "max_new_tokens=12", "--set", "heldout_prompts=2",
+        "--set", "eval_every=100", "--set", "gen_workers=1", "--set", "train_threads=1")
+    assert code == 0, err
+    skipped = [line for line in out.splitlines() if "over max_prompt_tokens skipped" in line]
+    assert len(skipped) == 1 and "long.jsonl" in skipped[0] and "3 over" in skipped[0], out
+    said = [line for line in out.splitlines() if "got reward_fallback" in line]
+    assert len(said) == 1 and "reward out of range" in said[0], out
+    run = tmp_path / "runs" / RUN
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "data"][0]["prompts_skipped_long"] == 3
+    iterations = [e for e in events if e["event"] == "iteration"]
+    assert sum(e["reward_out_of_range"] for e in iterations) > 0
+    assert all(e["reward_out_of_range"] == e["reward_errors"] for e in iterations)
+    for it in (1, 2):
+        table = pq.read_table(run / "rollouts" / f"iter-{it:05d}.parquet")
+        assert all(abs(r) <= 1 for r in table.column("reward").to_pylist())
+        assert any(a != 0 for a in table.column("advantage").to_pylist()), it
