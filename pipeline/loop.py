@@ -155,7 +155,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
 def load_prompt_sets(cfg: Config, model_path: Path,
                      log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
     """The training and held-out prompts, and what loading skipped (counted, and said once
-    through ``log``). Fewer training prompts than a batch is a ``ConfigError`` of one line."""
+    through ``log``). Fewer training prompts than a batch, or no held-out prompt, is a
+    ``ConfigError`` of one line."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
@@ -168,8 +169,12 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     if n < cfg.batch_prompts:  # a batch never repeats a prompt
         raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
                           f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
+    heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
+    if len(heldout.table) == 0:  # its accuracy would be NaN
+        raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
+                          "accuracy needs at least one")
     _say_skipped(log, source, train)
-    _say_skipped(log, f"heldout {cfg.heldout or 'of the tiny task'}", heldout)
+    _say_skipped(log, heldout_source, heldout)
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
     return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts

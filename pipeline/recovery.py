@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
-import os
 import re
 import time
 import uuid
@@ -109,6 +107,7 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
                           "(no config.json)")
     _newest_whole(cfg.run_dir / "checkpoints", content=False)  # fail before starting anything
     run = RunDir(cfg.run_dir)
+    _rewrite_records(run)  # a writer killed mid-line: before anything is appended
     (run.path / "rollouts").mkdir(exist_ok=True)
     run.write_json("config.json", cfg.to_dict())
     return run
@@ -129,8 +128,19 @@ def data_digest(prompts: pa.Table) -> str:
     return hashlib.sha256(ids.encode()).hexdigest()[:16]
 
 
+def _rewrite_records(run: RunDir, keep: Callable[[dict], bool] = lambda r: True) -> None:
+    """Keep the records of metrics.jsonl and decisions.jsonl that ``keep`` accepts, and drop
+    a last line cut short, so that the next record starts on a fresh line."""
+    for name in ("metrics.jsonl", "decisions.jsonl"):
+        try:
+            run.rewrite_jsonl(name, keep)
+        except ValueError as err:
+            raise ResumeError(str(err)) from None
+
+
 def trim_run(run: RunDir, iteration: int, drop_eval_at: bool) -> None:
-    """Drop what the run recorded after ``iteration`` (and its eval, if ``drop_eval_at``)."""
+    """Drop what the run recorded after ``iteration`` (and its eval, if ``drop_eval_at``),
+    and a last line that a killed writer left cut short, so records resume on a fresh line."""
     def after(record: dict) -> bool:
         it = record.get("iteration")
         if not isinstance(it, int):
@@ -138,13 +148,7 @@ def trim_run(run: RunDir, iteration: int, drop_eval_at: bool) -> None:
         return it > iteration or (drop_eval_at and it == iteration
                                   and record.get("event") == "eval")
 
-    for name in ("metrics.jsonl", "decisions.jsonl"):
-        records = run.read_jsonl(name)
-        kept = [r for r in records if not after(r)]
-        if len(kept) != len(records):
-            tmp = run.path / f".{name}.tmp"
-            tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-            os.replace(tmp, run.path / name)
+    _rewrite_records(run, lambda r: not after(r))
     for path in (run.path / "rollouts").glob("iter-*.parquet"):
         if int(path.stem.split("-")[1]) > iteration:
             path.unlink()

@@ -192,7 +192,7 @@ def add_parser(sub: Any) -> None:
 def run_from_args(args: Any) -> int:
     try:
         print(write_report(args.run, args.output))
-    except (FileNotFoundError, ImportError) as err:
+    except (FileNotFoundError, ImportError, ValueError) as err:  # ValueError: a bad line
         print(f"rlhfless: report: {err}", file=sys.stderr)
         return 2
     return 0

@@ -64,12 +64,26 @@ def probe(tmp_path, tiny_model_dir, monkeypatch, capsys):
     return run
 
 
+def strict(line: str) -> dict:
+    """``json.loads`` that refuses NaN and Infinity."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
 def one_line(code: int, err: list[str], *fragments: str) -> str:
     assert code != 0, err
     assert len(err) == 1 and "Traceback" not in err[0], err
     for fragment in fragments:
         assert fragment in err[0], (fragment, err[0])
     return err[0]
+
+
+def test_a_heldout_set_without_rows_is_one_line(probe, tmp_path):
+    """Its accuracy was NaN, written into metrics.jsonl as a bare NaN."""
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    code, err, _ = probe("--set", f"heldout={tmp_path / 'empty.jsonl'}")
+    one_line(code, err, "heldout", "empty.jsonl", "no prompts", "at least one")
 
 
 def test_a_dataset_smaller_than_a_batch_is_one_line(probe, tmp_path):
@@ -105,11 +119,13 @@ def test_resume_passes_over_a_checkpoint_overwritten_in_place(probe, tmp_path):
     run = tmp_path / "runs" / RUN
     chunk = next((run / "checkpoints" / "iter-00002" / "trainer" / "model").rglob("c.*"))
     chunk.write_bytes(b"\xff" * chunk.stat().st_size)
+    with (run / "metrics.jsonl").open("a") as f:  # and the writer was killed mid-line
+        f.write('{"event": "iteration", "iteration": 3, "loss')
     code, err, out = probe("--resume", str(run), "--set", "iterations=3")
     assert code == 0, err
     said = [line for line in out.splitlines() if line.startswith("checkpoint skipped")]
     assert len(said) == 1 and "using iter-00001" in said[0] and "CRC32C" in said[0], out
-    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = [strict(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resume"]
     assert resumed[-1]["iteration"] == 1 and "iter-00002" in resumed[-1]["skipped"][0]
     last = [e for e in events if e["event"] == "iteration"][-1]
