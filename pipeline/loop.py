@@ -155,13 +155,15 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
 def load_prompt_sets(cfg: Config, model_path: Path,
                      log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
     """The training and held-out prompts, and what loading skipped (counted, and said once
-    through ``log``). Fewer training prompts than a batch, or no held-out prompt, is a
-    ``ConfigError`` of one line."""
+    through ``log``). A source that cannot be read, a bad row (under ``on_bad_row =
+    "error"``), a duplicate id, fewer training prompts than a batch or no held-out prompt is
+    a ``ConfigError`` of one line."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = read_prompts(cfg.dataset or model_path / "train.jsonl", tokenizer, **kw)
-    heldout = read_prompts(cfg.heldout or model_path / "heldout.jsonl", tokenizer, **kw)
+    train = _read_prompt_set("dataset", cfg.dataset or model_path / "train.jsonl", tokenizer, kw)
+    heldout = _read_prompt_set("heldout", cfg.heldout or model_path / "heldout.jsonl",
+                               tokenizer, kw)
     n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
     if n == 0:
         raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
@@ -178,6 +180,15 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
     return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
+
+
+def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:
+    """``read_prompts``; what it raises (naming file and row) as a one-line ``ConfigError``."""
+    try:
+        return read_prompts(source, tokenizer, **kw)
+    except (ValueError, OSError, TypeError) as err:
+        message = f"{key}: {err}".replace("pass on_bad_row='skip'", "set on_bad_row = 'skip'")
+        raise ConfigError(" ".join(message.split())) from None
 
 
 def _skipped(result: LoadResult) -> str:

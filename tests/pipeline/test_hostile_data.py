@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -77,6 +79,62 @@ def one_line(code: int, err: list[str], *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in err[0], (fragment, err[0])
     return err[0]
+
+
+def _parquet(path: Path, rows: list[dict], keep: int | None = None) -> Path:
+    """``rows`` as a Parquet file; only the first ``keep`` of them (the columns stay)."""
+    pq.write_table(pa.Table.from_pylist(rows).slice(0, keep), path)
+    return path
+
+
+def _cut(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+BAD_DATA = {  # name: (write the dataset into a folder, extra --set, what the line says)
+    "empty jsonl": (lambda d: write_jsonl(d / "empty.jsonl", []), [],
+                    ["empty.jsonl", "no prompts", "batch_prompts"]),
+    "parquet without rows": (lambda d: _parquet(d / "none.parquet", tally_rows(1), keep=0), [],
+                             ["none.parquet", "no prompts"]),
+    "every row bad, skipped": (lambda d: write_jsonl(d / "bad.jsonl", [{"prompt": ""}] * 3),
+                               ["on_bad_row=skip"],
+                               ["bad.jsonl", "no prompts", "3 bad skipped"]),
+    "not parquet": (lambda d: (d / "junk.parquet").write_bytes(b"PAR1" + bytes(300))
+                    and d / "junk.parquet", [], ["junk.parquet", "cannot read as Parquet"]),
+    "truncated parquet": (lambda d: _cut(_parquet(d / "cut.parquet", tally_rows(40))), [],
+                          ["cut.parquet", "cannot read as Parquet"]),
+    "bad row": (lambda d: write_jsonl(d / "row.jsonl", [*tally_rows(2), {"prompt": "  "},
+                                                        *tally_rows(40, 2)]), [],
+                ["row.jsonl:line 3", "'prompt' is empty", "on_bad_row = 'skip'"]),
+    "not json": (lambda d: (d / "nj.jsonl").write_text(
+        json.dumps(tally_rows(1)[0]) + "\n{oops\n") and d / "nj.jsonl", [],
+        ["nj.jsonl:line 2", "on_bad_row = 'skip'"]),
+    "duplicate ids": (lambda d: write_jsonl(d / "dup.jsonl", tally_rows(20) + tally_rows(1, 7)),
+                      [], ["duplicate prompt_id 'p7'", "dup.jsonl:line 8", "dup.jsonl:line 21",
+                           "unique"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_is_one_line(probe, tmp_path, case):
+    write, sets, fragments = BAD_DATA[case]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    path = write(data_dir)
+    extra = [x for item in sets for x in ("--set", item)]
+    code, err, _ = probe("--set", f"dataset={path}", *extra)
+    line = one_line(code, err, "rlhfless: config error: dataset", *fragments)
+    assert len(line) < 600, line
+
+
+def test_report_over_a_truncated_rollout_is_one_line(probe, finished_run, tmp_path):
+    run = tmp_path / "runs" / RUN
+    shutil.copytree(finished_run, run)
+    _cut(run / "rollouts" / "iter-00002.parquet")
+    code, err, _ = probe(str(run), command="report")
+    one_line(code, err, "iter-00002.parquet", "cannot read as Parquet", "move it away")
 
 
 def test_a_heldout_set_without_rows_is_one_line(probe, tmp_path):
