@@ -166,6 +166,7 @@ def test_a_batch_across_the_epoch_boundary_trains(probe, tmp_path):
         assert len(pairs) == 16 and set(pairs.values()) == {1}, (it, pairs)
 
 
+@pytest.mark.slow  # two runs; test_checkpoint.py checks the same fall-back without a cluster
 def test_resume_passes_over_a_checkpoint_overwritten_in_place(probe, tmp_path):
     """A weight chunk overwritten with as many bytes of NaN: resume used it (sizes matched)
     and trained on NaN weights from then on."""
