@@ -10,12 +10,17 @@ the defaults, a small LM's weights in mixed precision). Each repeat, interleaved
   into a model does);
 * ``safetensors``: ``save_file`` to one file, then ``load_file`` and the same copies;
 
-and the same writes again with every file fsync'ed (``_durable``, with ``fsync_tree``:
-what a checkpoint commit pays). Before each write the previous output is deleted and the
-file system synced, so that no timing pays for another's flushing. MB/s counts tensor bytes
-(1 MB = 1e6 bytes); reads come from a warm page cache. Prints one JSON line of medians,
-with ``save_ratio``: the median over repeats of zarr / safetensors save rate, each pair
-timed back to back (target at least 0.5).
+and the same writes again with every file fsync'ed (``_durable``, with ``fsync_tree``), and
+the zarr write once more with every file also checksummed (``zarr_save_checksummed``:
+``fsync_tree(checksum=True)``, what a checkpoint commit pays); ``verify`` is reading every
+file of the zarr store back and checking it against the checksums (what ``latest`` pays on
+resume). Before each write the previous output is deleted and the file system synced, so
+that no timing pays for another's flushing. MB/s counts tensor bytes (1 MB = 1e6 bytes);
+reads come from a warm page cache. Prints one JSON line of medians, with ``save_ratio``: the
+median over repeats of zarr / safetensors save rate, each pair timed back to back (target at
+least 0.5); ``save_ratio_checksummed``: the checksummed durable zarr write against the
+durable safetensors one; ``checksum_cost``: durable zarr save time with checksums over
+without.
 
     python bench/checkpoint.py [--layers 24] [--repeats 9] [--dir /some/fast/disk]
 """
@@ -35,7 +40,7 @@ import torch
 import zarr
 from safetensors.torch import load_file, save_file
 
-from rlhfless.pipeline.checkpoint import fsync_tree
+from rlhfless.pipeline.checkpoint import crc32c, fsync_tree
 from rlhfless.pipeline.zarr_state import get_tensors, put_tensors
 
 
@@ -56,13 +61,23 @@ def settle() -> None:
     os.sync()
 
 
-def save_zarr(state, path: Path, durable: bool) -> float:
+def save_zarr(state, path: Path, durable: bool, checksum: bool = False) -> tuple[float, dict]:
+    """Seconds to write (and fsync, checksum) ``state``; the files' entries if durable."""
     shutil.rmtree(path, ignore_errors=True)
     settle()
     started = time.perf_counter()
     put_tensors(zarr.open_group(path, mode="w", zarr_format=3), state)
-    if durable:
-        fsync_tree(path)
+    files = fsync_tree(path, checksum=checksum) if durable else {}
+    return time.perf_counter() - started, files
+
+
+def verify(path: Path, files: dict) -> float:
+    """Read every file back and compare it with its checksum in ``files`` (as
+    ``checkpoint.problem`` does, on 8 threads there, on one here)."""
+    started = time.perf_counter()
+    for rel, entry in files.items():
+        if crc32c(path / rel) != entry["crc32c"]:
+            raise RuntimeError(f"{rel}: checksum differs")
     return time.perf_counter() - started
 
 
@@ -103,11 +118,16 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     try:
         for _ in range(args.repeats):
-            for durable in (False, True):
-                tag = "_durable" if durable else ""
-                times.setdefault(f"zarr_save{tag}", []).append(save_zarr(state, zpath, durable))
-                times.setdefault(f"safetensors_save{tag}", []).append(
-                    save_safetensors(state, spath, durable))
+            # each ratio's pair back to back: durable, checksummed, safetensors durable
+            times.setdefault("zarr_save", []).append(save_zarr(state, zpath, False)[0])
+            times.setdefault("safetensors_save", []).append(
+                save_safetensors(state, spath, False))
+            times.setdefault("zarr_save_durable", []).append(save_zarr(state, zpath, True)[0])
+            seconds, files = save_zarr(state, zpath, durable=True, checksum=True)
+            times.setdefault("zarr_save_checksummed", []).append(seconds)
+            times.setdefault("safetensors_save_durable", []).append(
+                save_safetensors(state, spath, True))
+            times.setdefault("verify", []).append(verify(zpath, files))
             times.setdefault("zarr_load", []).append(
                 load_into(lambda: get_tensors(zarr.open_group(zpath, mode="r")), into))
             times.setdefault("safetensors_load", []).append(
@@ -125,6 +145,11 @@ def main() -> None:
            "save_ratio": paired_ratio(times["safetensors_save"], times["zarr_save"]),
            "save_ratio_durable": paired_ratio(times["safetensors_save_durable"],
                                               times["zarr_save_durable"]),
+           "save_ratio_checksummed": paired_ratio(times["safetensors_save_durable"],
+                                                  times["zarr_save_checksummed"]),
+           "checksum_cost": round(statistics.median(
+               c / d for c, d in zip(times["zarr_save_checksummed"],
+                                     times["zarr_save_durable"])), 2),
            "zarr_files": files}
     print(json.dumps(out))
 

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .schema import SCORED, TRAINABLE, check_columns
+from .schema import MAX_ABS_REWARD, SCORED, TRAINABLE, check_columns
 
 READS = pa.schema([SCORED.field("prompt_id"), SCORED.field("reward")])
 METHODS = ("grpo", "rloo")
@@ -43,7 +43,8 @@ def compute_advantages(
     division finite; ``scale=False`` skips the GRPO division by the group std. When
     ``n_samples`` is given every group must hold exactly that many rows. Raises ``ValueError``
     on a missing column, a null prompt_id or reward, a non-finite reward, or a group that the
-    method cannot score."""
+    method cannot score. A reward past ``MAX_ABS_REWARD`` is refused too: the group std of
+    ``1e300`` overflows and would zero the group's advantages without a word."""
     _check_arguments(scored, method, eps, n_samples)
     group, ids = group_index(scored.column("prompt_id"))  # group: [N] int64, ids: [G]
     reward = scored.column("reward").to_numpy().astype(np.float64)  # [N]
@@ -109,11 +110,12 @@ def _check_arguments(scored: pa.Table, method: str, eps: float, n_samples: int |
 
 
 def _check_rewards(reward: np.ndarray) -> None:
-    bad = np.flatnonzero(~np.isfinite(reward))
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~(np.abs(reward) <= MAX_ABS_REWARD))  # NaN, inf, huge
     if bad.size:
         raise ValueError(
-            f"compute_advantages: reward is {reward[bad[0]]} at row {bad[0]}; "
-            "rewards must be finite (score() records failures with a finite fallback)"
+            f"compute_advantages: reward is {reward[bad[0]]} at row {bad[0]}; rewards must be "
+            f"finite and within {MAX_ABS_REWARD:g} (score() records failures with a fallback)"
         )
 
 

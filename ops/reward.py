@@ -9,12 +9,13 @@ callable ``fn(response_text, answer) -> float``; every other row by the built-in
 named by ``default`` (see ``VERIFIERS``). Rewards compare text; none evaluates model text as
 code.
 
-Failures are per sample and never fatal: a call that raises, returns a non-number or a
-non-finite number, or runs past ``timeout_s`` gets ``reward = fallback`` and a one-line
-``reward_error``. The time limit works from any thread (reward tasks run in Dask worker
-threads, where signal-based timeouts such as math-verify's own are unavailable): calls run on a
-daemon worker thread, reused from row to row, and the stage waits for each result with a
-timeout (``GuardedCaller``). A worker that overruns is abandoned and a fresh one takes the next
+Failures are per sample and never fatal: a call that raises, returns a non-number, a
+non-finite number or one past ``schema.MAX_ABS_REWARD`` (``1e300``, ``10**400``), or runs
+past ``timeout_s`` gets ``reward = fallback`` and a one-line ``reward_error``. The time
+limit works from any thread (reward tasks run in Dask worker threads, where signal-based
+timeouts such as math-verify's own are unavailable): calls run on a daemon worker thread,
+reused from row to row, and the stage waits for each result with a timeout
+(``GuardedCaller``). A worker that overruns is abandoned and a fresh one takes the next
 row; the abandoned one is sent an asynchronous exception (best effort, CPython) so a
 pure-Python loop stops soon, but a call blocked in C code (a sleep, a huge integer power) runs
 on until it returns. Rows are scored one after the other, so ``k`` hanging calls cost about
@@ -36,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from .schema import ROLLOUTS, SCORED, check_columns
+from .schema import MAX_ABS_REWARD, ROLLOUTS, SCORED, check_columns
 
 RewardFn = Callable[[str, str | None], float]
 
@@ -245,13 +246,30 @@ def reward_one(
 
 
 def _check_value(value: object, fallback: float) -> tuple[float, str | None]:
-    """Accept a finite real number (``bool`` and numpy scalars included)."""
+    """Accept a finite real number within ``MAX_ABS_REWARD`` (``bool`` and numpy scalars
+    included)."""
     if not isinstance(value, numbers.Real):
-        return fallback, _truncate(f"non-numeric reward {value!r} ({type(value).__name__})")
-    number = float(value)
+        return fallback, _truncate(f"non-numeric reward {_repr(value)} ({type(value).__name__})")
+    if isinstance(value, numbers.Integral) and abs(int(value)) > MAX_ABS_REWARD:
+        return fallback, (f"reward out of range: an integer of {abs(int(value)).bit_length()} "
+                          f"bits; allowed |reward| <= {MAX_ABS_REWARD:g}")
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError) as err:  # e.g. Fraction(10**400)
+        return fallback, _truncate(f"reward out of range: {_describe(err)}")
     if not math.isfinite(number):
         return fallback, f"non-finite reward {number}"
+    if abs(number) > MAX_ABS_REWARD:
+        return fallback, f"reward out of range: {number:g}; allowed |reward| <= {MAX_ABS_REWARD:g}"
     return number, None
+
+
+def _repr(value: object) -> str:
+    """``repr(value)``, or what it raised (a huge int past Python's digit limit does)."""
+    try:
+        return repr(value)
+    except Exception as err:  # a user object's __repr__ must not stop the stage
+        return f"<unprintable: {_describe(err)}>"
 
 
 def _describe(err: BaseException) -> str:
@@ -325,8 +343,10 @@ def _check_arguments(
         raise ValueError(
             f"score: timeout_s must be a positive number of seconds, got {timeout_s!r}"
         )
-    if not (isinstance(fallback, numbers.Real) and math.isfinite(fallback)):
-        raise ValueError(f"score: fallback must be a finite number, got {fallback!r}")
+    if not (isinstance(fallback, numbers.Real) and math.isfinite(fallback)
+            and abs(fallback) <= MAX_ABS_REWARD):
+        raise ValueError(f"score: fallback must be a finite number within "
+                         f"{MAX_ABS_REWARD:g}, got {fallback!r}")
 
 
 def reward_summary(scored: pa.Table) -> dict:
@@ -341,14 +361,16 @@ def reward_summary(scored: pa.Table) -> dict:
 ERROR_KINDS = {  # reward_error prefix -> metric counting it (any other error: "raised")
     "timeout after": "reward_timeouts",
     "non-finite reward": "reward_nonfinite",
+    "reward out of range": "reward_out_of_range",
     "non-numeric reward": "reward_nonnumeric",
 }
 
 
 def reward_error_counts(scored: pa.Table) -> dict[str, int]:
     """Failed reward calls by kind: ``reward_timeouts`` (past the time limit),
-    ``reward_nonfinite`` (NaN or inf), ``reward_nonnumeric`` and ``reward_raised`` (the call
-    raised, or there was no response text); they sum to ``reward_errors``."""
+    ``reward_nonfinite`` (NaN or inf), ``reward_out_of_range`` (past ``MAX_ABS_REWARD``),
+    ``reward_nonnumeric`` and ``reward_raised`` (the call raised, or there was no response
+    text); they sum to ``reward_errors``."""
     check_columns(scored, pa.schema([SCORED.field("reward_error")]), "reward_error_counts")
     counts = dict.fromkeys([*ERROR_KINDS.values(), "reward_raised"], 0)
     for error in scored.column("reward_error").drop_null().to_pylist():

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+# The largest |reward| a scored table holds. Larger is taken for a bug (an overflow, a sum of
+# logits): past 2**53 float64 cannot tell neighbouring integers apart, and within it the
+# group statistics of every advantage method stay finite.
+MAX_ABS_REWARD = 1e15
+
 PROMPTS = pa.schema(
     [
         pa.field("prompt_id", pa.string(), nullable=False),

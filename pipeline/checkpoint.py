@@ -10,15 +10,20 @@
             driver/predictor/            LengthPredictor.state_dict()
             driver/throughput/           ThroughputModel.state_dict()
             tables/<name>.parquet        Arrow tables the driver keeps (a replay buffer)
-            COMMITTED                    written last: every file above and its size
+            COMMITTED                    written last: every file above, its size and CRC32C
         .tmp-iter-00013-<pid>/           a checkpoint being written; never read
 
-Commit: everything is written under ``.tmp-…``, every file and directory fsync'ed, then the
-``COMMITTED`` manifest is written and fsync'ed, and the directory renamed to ``iter-N`` (atomic
-on one file system) and the parent fsync'ed. A checkpoint is *whole* when its manifest exists,
-parses, and every file it lists has its size; ``latest`` returns the newest whole one and says
-why it passed over the others (a crash mid-write, a truncated copy), so a half-written
-checkpoint is never loaded. ``prune`` keeps the newest ``keep`` whole ones and removes the rest.
+Commit: everything is written under ``.tmp-…``, every file checksummed (CRC32C, the checksum
+zarr's own codec uses) and fsync'ed with its directory, then the ``COMMITTED`` manifest is
+written and fsync'ed, and the directory renamed to ``iter-N`` (atomic on one file system) and
+the parent fsync'ed. A checkpoint is *whole* when its manifest exists, parses, and every file
+it lists has its size and checksum; ``latest`` returns the newest whole one and says why it
+passed over the others (a crash mid-write, a truncated copy, a chunk overwritten in place), so
+neither a half-written nor a damaged checkpoint is loaded. The checksum catches accidents (bit
+rot, a bad copy, a stray write), not a forger with write access to the run. Reading every
+byte back costs time, so only ``latest``, ``find`` and ``export_hf`` verify content;
+``prune`` and the readers of a checkpoint that ``latest`` chose check sizes. ``prune`` keeps
+the newest ``keep`` whole ones and removes the rest.
 
 Who writes what: the trainer worker writes ``trainer/`` itself (``workers.save_trainer_task``),
 the driver the root attributes, ``driver/`` and ``tables/``. Weights and optimizer state are
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -63,9 +69,10 @@ from .zarr_state import (
 )
 
 FORMAT = "rlhfless-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest holds each file's CRC32C; 1 (sizes only) is still read
 MARKER = "COMMITTED"
-FSYNC_THREADS = 8  # concurrent fsyncs while committing
+FSYNC_THREADS = 8  # concurrent fsyncs (and checksums) while committing or verifying
+READ_CHUNK = 8 << 20  # bytes read at a time when checksumming
 _NAME = re.compile(r"iter-(\d+)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -157,28 +164,45 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str | Path) -> dict[str, int]:
+def crc32c(path: Path) -> str:
+    """The CRC32C of the file at ``path``, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(READ_CHUNK):
+            crc = google_crc32c.extend(crc, chunk)
+    return f"{crc:08x}"
+
+
+def _seal(path: Path, checksum: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"bytes": path.stat().st_size}
+    if checksum:
+        entry["crc32c"] = crc32c(path)
+    _fsync(path)
+    return entry
+
+
+def fsync_tree(root: str | Path, checksum: bool = False) -> dict[str, dict[str, Any]]:
     """fsync every file and directory under ``root`` (a file: itself), concurrently so that
-    the file system can group the journal commits; returns each file's size by path."""
+    the file system can group the journal commits; returns each file's ``{"bytes": size}``
+    by path, with ``"crc32c"`` if ``checksum``."""
     root = Path(root)
     if root.is_file():
-        _fsync(root)
-        return {root.name: root.stat().st_size}
+        return {root.name: _seal(root, checksum)}
     files, dirs = [], []
     for directory, _, names in os.walk(root):
         dirs.append(Path(directory))
         files += [Path(directory) / n for n in names]
     with ThreadPoolExecutor(FSYNC_THREADS) as pool:
-        list(pool.map(_fsync, files))
+        entries = list(pool.map(lambda p: _seal(p, checksum), files))
         list(pool.map(_fsync, dirs))
-    return {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
+    return {p.relative_to(root).as_posix(): e for p, e in zip(files, entries)}
 
 
 def commit(tmp: str | Path) -> Path:
     """Make the checkpoint in ``tmp`` durable and visible as ``iter-N``; returns its path."""
     tmp = Path(tmp)
     iteration = int(zarr.open_group(tmp, mode="r").attrs["iteration"])
-    files = fsync_tree(tmp)
+    files = fsync_tree(tmp, checksum=True)
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
                 "files": dict(sorted(files.items()))}
     with open(tmp / MARKER, "w") as f:
@@ -200,8 +224,9 @@ def commit(tmp: str | Path) -> Path:
 
 # ---- finding and checking ----------------------------------------------------------------
 
-def problem(path: str | Path) -> str | None:
-    """Why ``path`` is not a whole checkpoint, or None if it is."""
+def problem(path: str | Path, content: bool = True) -> str | None:
+    """Why ``path`` is not a whole checkpoint, or None if it is. ``content=False`` checks the
+    manifest and the sizes only, not the checksums (no file is read)."""
     path = Path(path)
     marker = path / MARKER
     if not marker.is_file():
@@ -212,15 +237,26 @@ def problem(path: str | Path) -> str | None:
         return f"unreadable {MARKER} marker: {err}"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"{MARKER} is not an {FORMAT} manifest"
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in (1, FORMAT_VERSION):
         return (f"format version {manifest.get('format_version')!r}; this code reads "
-                f"{FORMAT_VERSION}")
-    for rel, size in manifest.get("files", {}).items():
+                f"1 to {FORMAT_VERSION}")
+    entries = {rel: e if isinstance(e, dict) else {"bytes": e}  # version 1: the size alone
+               for rel, e in manifest.get("files", {}).items()}
+    for rel, entry in entries.items():
         p = path / rel
         if not p.is_file():
             return f"missing file {rel}"
-        if p.stat().st_size != size:
-            return f"file {rel} has {p.stat().st_size} bytes, the manifest says {size}"
+        if p.stat().st_size != entry["bytes"]:
+            return f"file {rel} has {p.stat().st_size} bytes, the manifest says {entry['bytes']}"
+    if not content:
+        return None
+    summed = [rel for rel, entry in entries.items() if "crc32c" in entry]
+    with ThreadPoolExecutor(FSYNC_THREADS) as pool:
+        found = list(pool.map(lambda rel: crc32c(path / rel), summed))
+    for rel, crc in zip(summed, found):
+        if crc != entries[rel]["crc32c"]:
+            return (f"file {rel} has CRC32C {crc}, the manifest says {entries[rel]['crc32c']}: "
+                    "its content changed after the commit")
     return None
 
 
@@ -233,12 +269,12 @@ def checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=iteration_of)
 
 
-def latest(root: str | Path) -> tuple[Path | None, list[str]]:
+def latest(root: str | Path, content: bool = True) -> tuple[Path | None, list[str]]:
     """The newest whole checkpoint under ``root`` (None if there is none), and one line for
-    every newer one passed over, saying why."""
+    every newer one passed over, saying why. ``content=False``: sizes only (``problem``)."""
     skipped = []
     for path in reversed(checkpoints(root)):
-        why = problem(path)
+        why = problem(path, content)
         if why is None:
             return path, skipped
         skipped.append(f"{path}: {why}")
@@ -251,7 +287,7 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"prune: keep must be >= 1, got {keep}")
     root = Path(root)
-    whole = [p for p in reversed(checkpoints(root)) if problem(p) is None]
+    whole = [p for p in reversed(checkpoints(root)) if problem(p, content=False) is None]
     doomed = whole[keep:] + [p for p in checkpoints(root) if p not in whole]
     doomed += [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-"))]
     for path in doomed:
@@ -261,9 +297,11 @@ def prune(root: str | Path, keep: int) -> list[Path]:
 
 # ---- reading -----------------------------------------------------------------------------
 
-def open_checkpoint(path: str | Path) -> zarr.Group:
-    """The root group of a whole checkpoint; ``ValueError`` naming the problem otherwise."""
-    why = problem(path)
+def open_checkpoint(path: str | Path, content: bool = False) -> zarr.Group:
+    """The root group of a whole checkpoint; ``ValueError`` naming the problem otherwise.
+    Checksums are checked with ``content`` (the other callers found ``path`` with
+    ``latest``, which checked them)."""
+    why = problem(path, content)
     if why is not None:
         raise ValueError(f"checkpoint {path}: {why}")
     return zarr.open_group(path, mode="r")
@@ -303,8 +341,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path,
               model_dir: str | Path | None = None) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face model directory
     (``save_pretrained`` layout, in the dtype the weights were trained in) with the tokenizer
-    files of ``model_dir`` (default: the model the run started from)."""
-    root = open_checkpoint(checkpoint)
+    files of ``model_dir`` (default: the model the run started from). A checkpoint whose
+    files changed after its commit is refused (``ValueError``), before anything is written."""
+    root = open_checkpoint(checkpoint, content=True)
     model_dir = Path(model_dir or root.attrs["model_path"])
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"export_hf: {model_dir} has no config.json; pass the "
@@ -322,19 +361,20 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path,
     return out
 
 
-def find(run_path: str | Path, iteration: int | None = None) -> Path:
-    """The whole checkpoint of ``iteration`` in the run at ``run_path`` (default: newest)."""
+def find(run_path: str | Path, iteration: int | None = None, content: bool = True) -> Path:
+    """The whole checkpoint of ``iteration`` in the run at ``run_path`` (default: newest);
+    ``content=False`` checks sizes, not checksums (``problem``)."""
     root = Path(run_path) / "checkpoints"
     if iteration is None:
-        path, skipped = latest(root)
+        path, skipped = latest(root, content)
         if path is None:
             raise FileNotFoundError(f"no whole checkpoint under {root} "
                                     f"({'; '.join(skipped) or 'none written'})")
         return path
     path = root / name_of(iteration)
-    why = problem(path) if path.is_dir() else "not on disk"
+    why = problem(path, content) if path.is_dir() else "not on disk"
     if why is not None:
-        kept = [iteration_of(p) for p in checkpoints(root) if problem(p) is None]
+        kept = [iteration_of(p) for p in checkpoints(root) if problem(p, content) is None]
         raise FileNotFoundError(f"checkpoint {path}: {why}; whole ones: {kept}")
     return path
 
@@ -350,10 +390,14 @@ def add_export_parser(sub) -> None:
 
 def export_from_args(args) -> int:
     try:
-        path = find(args.run, args.iteration)
+        path = find(args.run, args.iteration, content=False)  # export_hf checks the content
         out = export_hf(path, args.output, args.model)
-    except (FileNotFoundError, ValueError) as err:
+    except FileNotFoundError as err:
         print(f"rlhfless: cannot export: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"rlhfless: cannot export: {err}; export another one with --iteration N",
+              file=sys.stderr)
         return 2
     print(json.dumps({"checkpoint": str(path), "hf_model": str(out)}))
     return 0

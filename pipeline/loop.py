@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.load import read_prompts
+from rlhfless.ops.load import LoadResult, read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import ensure_tiny_model
 from rlhfless.ops.update import UpdateParams
@@ -36,7 +36,7 @@ from rlhfless.schedulers.predictor import LengthPredictor
 from rlhfless.schedulers.throughput import ThroughputModel
 
 from .cluster import PoolCluster, pools_from_config
-from .config import Config
+from .config import Config, ConfigError
 from .deploy import deployment_from_config
 from .elastic import ElasticGeneration, ElasticState
 from .graph import iteration_graph, rollout_graph
@@ -50,25 +50,72 @@ from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec, publish_task, u
 
 
 class PromptSampler:
-    """Batches of prompts in a seeded order; a new permutation every epoch."""
+    """Batches of prompts in a seeded order; a new permutation every epoch.
+
+    A batch never holds a prompt twice, also when it crosses an epoch boundary: each epoch's
+    order is the permutation of (seed, epoch) with the last ``batch - 1`` prompts of the
+    previous epoch held back from its first positions (a prompt ``d`` places from the end of
+    epoch e comes at position ``batch - d`` of epoch e + 1 or later), so any ``batch`` or
+    fewer consecutive prompts are distinct. Every epoch still holds every prompt once, and
+    the order is a function of (seed, epoch) alone: ``position`` is the whole state."""
 
     def __init__(self, prompts: pa.Table, batch: int, seed: int) -> None:
-        if len(prompts) == 0:
-            raise ValueError("the dataset has no prompts")
+        if len(prompts) < batch:
+            raise ValueError(f"{len(prompts)} prompts, fewer than a batch of {batch}")
         self.prompts, self.batch, self.seed = prompts, batch, seed
         self.position = 0  # prompts consumed so far, over all epochs
+        self._epoch, self._order = 0, self._permutation(0)  # the epoch last computed
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The prompt indices of ``epoch`` in the order they are drawn."""
+        if epoch < self._epoch:
+            self._epoch, self._order = 0, self._permutation(0)
+        while self._epoch < epoch:
+            self._epoch += 1
+            self._order = held_back(self._permutation(self._epoch),
+                                    self._order[len(self._order) - (self.batch - 1):])
+        return self._order
 
     def next_batch(self, n: int | None = None) -> pa.Table:
-        """The next ``n`` prompts (default: a whole batch)."""
+        """The next ``n`` prompts (default, and at most: a whole batch)."""
         want = self.batch if n is None else n
-        rows = []
+        if want > self.batch:
+            raise ValueError(f"next_batch({n}): at most a batch of {self.batch} prompts")
+        rows: list[int] = []
         while len(rows) < want:
             epoch, offset = divmod(self.position, len(self.prompts))
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
             take = min(want - len(rows), len(self.prompts) - offset)
-            rows.extend(order[offset : offset + take].tolist())
+            rows.extend(self.order(epoch)[offset : offset + take].tolist())
             self.position += take
         return self.prompts.take(rows)
+
+
+def held_back(order: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """``order`` with each prompt of ``tail`` (the end of the previous epoch; its last item
+    ``d = 1``) at position ``len(tail) + 1 - d`` or later; the others keep their relative
+    order. The first positions are filled one at a time: a held-back prompt as soon as it may
+    stand there, else the next of ``order`` that may. Possible whenever ``len(order)`` exceeds
+    ``len(tail)``: by position k, ``len(order) - len(tail) + k`` prompts may stand there."""
+    earliest = {int(p): i + 1 for i, p in enumerate(tail)}
+    out: list[int] = []
+    waiting: list[int] = []  # held back, in the order met
+    rest = iter(order.tolist())
+    while waiting or len(out) < len(tail):  # past that, every prompt may stand anywhere
+        pos = len(out)
+        ready = next((p for p in waiting if earliest[p] <= pos), None)
+        if ready is not None:
+            waiting.remove(ready)
+            out.append(ready)
+            continue
+        p = next(rest)
+        if earliest.get(p, 0) <= pos:
+            out.append(p)
+        else:
+            waiting.append(p)
+    return np.asarray(out + list(rest), dtype=order.dtype)
 
 
 @dataclass(frozen=True)
@@ -106,15 +153,61 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     )
 
 
-def load_prompt_sets(cfg: Config, model_path: Path) -> tuple[pa.Table, pa.Table, dict]:
+def load_prompt_sets(cfg: Config, model_path: Path,
+                     log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
+    """The training and held-out prompts, and what loading skipped (counted, and said once
+    through ``log``). A source that cannot be read, a bad row (under ``on_bad_row =
+    "error"``), a duplicate id, fewer training prompts than a batch or no held-out prompt is
+    a ``ConfigError`` of one line."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = read_prompts(cfg.dataset or model_path / "train.jsonl", tokenizer, **kw)
-    heldout = read_prompts(cfg.heldout or model_path / "heldout.jsonl", tokenizer, **kw)
+    train = _read_prompt_set("dataset", cfg.dataset or model_path / "train.jsonl", tokenizer, kw)
+    heldout = _read_prompt_set("heldout", cfg.heldout or model_path / "heldout.jsonl",
+                               tokenizer, kw)
+    n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
+    if n == 0:
+        raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
+                          f"batch_prompts = {cfg.batch_prompts}")
+    if n < cfg.batch_prompts:  # a batch never repeats a prompt
+        raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
+                          f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
+    heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
+    if len(heldout.table) == 0:  # its accuracy would be NaN
+        raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
+                          "accuracy needs at least one")
+    _say_skipped(log, source, train)
+    _say_skipped(log, heldout_source, heldout)
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
     return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
+
+
+def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:
+    """``read_prompts``; what it raises (naming file and row) as a one-line ``ConfigError``."""
+    try:
+        return read_prompts(source, tokenizer, **kw)
+    except (ValueError, OSError, TypeError) as err:
+        message = f"{key}: {err}".replace("pass on_bad_row='skip'", "set on_bad_row = 'skip'")
+        raise ConfigError(" ".join(message.split())) from None
+
+
+def _skipped(result: LoadResult) -> str:
+    """`` (of N rows read: k bad skipped, m over max_prompt_tokens skipped, t truncated to
+    max_prompt_tokens)`` when loading dropped or cut rows, else nothing."""
+    dropped = [f"{n} {why}" for n, why in (
+        (result.n_skipped_bad, "bad skipped"),
+        (result.n_skipped_long, "over max_prompt_tokens skipped"),
+        (result.n_truncated, "truncated to max_prompt_tokens")) if n]
+    return f" (of {result.n_rows_read} rows read: {', '.join(dropped)})" if dropped else ""
+
+
+def _say_skipped(log: Callable[[str], None], source: str, result: LoadResult) -> None:
+    """One line, once, for what loading ``source`` skipped or truncated, with the first
+    reason."""
+    if _skipped(result):
+        first = f"; first: {result.skipped[0]}" if result.skipped else ""
+        log(f"{source}: {len(result.table)} prompts{_skipped(result)}{first}")
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
@@ -207,7 +300,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
 def _train_in(run: RunDir, cfg: Config, progress: bool, log,
               on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
     model_path = resolve_model(cfg, log=log)
-    prompts, heldout, counts = load_prompt_sets(cfg, model_path)
+    prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
                         **counts})
     specs = mode_specs(make_specs(cfg, model_path, run), cfg)
@@ -221,12 +314,13 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
           observed(run, pc.dashboard_link, on_metrics)):
         log(f"dashboard: {pc.dashboard_link}")
         eg = ElasticGeneration(pc, cfg, run, state)
-        durable = Durable(pc, run, cfg, specs.train, model_path, prompts)
+        durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, state, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = make_runner(cfg, pc, eg, specs, sampler, durable), time.time()
+        said_reward_errors = False
         while done < cfg.iterations:
             iteration = done + 1
             t0 = time.time()
@@ -249,6 +343,8 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             record |= worker_seconds(ledger, t0, time.time())
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
+            said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
+                                                                         cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                 accuracy = evaluate(pc, heldout, weights, specs, cfg)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
@@ -264,6 +360,18 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                                    "by_iteration": ledger.by_iteration(),
                                    "records": ledger.records(),
                                    "before_resume": durable.totals_before})
+
+
+def say_reward_errors(log: Callable[[str], None], iteration: int, table: pa.Table,
+                      fallback: float) -> bool:
+    """Say the first iteration with failed reward calls, in one line; True if it did."""
+    errors = table.column("reward_error").drop_null()
+    if not len(errors):
+        return False
+    log(f"iteration {iteration}: {len(errors)} of {len(table)} samples got reward_fallback = "
+        f"{fallback:g} (first: {errors[0]}); every iteration's count is reward_errors in "
+        "metrics.jsonl, and this is said once")
+    return True
 
 
 def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:

@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
-import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,10 +135,11 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
     run = RunDir.take(cfg.run_dir)  # refused while another process runs it
     try:
         changes = config_changes(cfg)  # the saved config, now that no one else writes it
-        path, _ = _newest_whole(cfg.run_dir / "checkpoints")  # fail before starting anything
+        path, _ = _newest_whole(cfg.run_dir / "checkpoints", content=False)  # fail early
     except ResumeError:
         run.release()
         raise
+    _rewrite_records(run)  # a writer killed mid-line: before anything is appended
     if changes:  # kept, old and new value, before config.json takes the new ones
         run.append_jsonl("config_changes.jsonl", {"time": time.time(), "resumed_from":
                                                   path.name, "changes": changes})
@@ -148,8 +148,8 @@ def open_run(cfg: Config, overwrite: bool = False, resume: bool = False) -> RunD
     return run
 
 
-def _newest_whole(root: Path) -> tuple[Path, list[str]]:
-    path, skipped = ckpt.latest(root)
+def _newest_whole(root: Path, content: bool = True) -> tuple[Path, list[str]]:
+    path, skipped = ckpt.latest(root, content)
     if path is None:
         raise ResumeError(f"no whole checkpoint under {root} "
                           f"({'; '.join(skipped) or 'none written'}); start the run again "
@@ -163,8 +163,19 @@ def data_digest(prompts: pa.Table) -> str:
     return hashlib.sha256(ids.encode()).hexdigest()[:16]
 
 
+def _rewrite_records(run: RunDir, keep: Callable[[dict], bool] = lambda r: True) -> None:
+    """Keep the records of metrics.jsonl and decisions.jsonl that ``keep`` accepts, and drop
+    a last line cut short, so that the next record starts on a fresh line."""
+    for name in ("metrics.jsonl", "decisions.jsonl"):
+        try:
+            run.rewrite_jsonl(name, keep)
+        except ValueError as err:
+            raise ResumeError(str(err)) from None
+
+
 def trim_run(run: RunDir, iteration: int, drop_eval_at: bool) -> None:
-    """Drop what the run recorded after ``iteration`` (and its eval, if ``drop_eval_at``)."""
+    """Drop what the run recorded after ``iteration`` (and its eval, if ``drop_eval_at``),
+    and a last line that a killed writer left cut short, so records resume on a fresh line."""
     def after(record: dict) -> bool:
         it = record.get("iteration")
         if not isinstance(it, int):
@@ -172,13 +183,7 @@ def trim_run(run: RunDir, iteration: int, drop_eval_at: bool) -> None:
         return it > iteration or (drop_eval_at and it == iteration
                                   and record.get("event") == "eval")
 
-    for name in ("metrics.jsonl", "decisions.jsonl"):
-        records = run.read_jsonl(name)
-        kept = [r for r in records if not after(r)]
-        if len(kept) != len(records):
-            tmp = run.path / f".{name}.tmp"
-            tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-            os.replace(tmp, run.path / name)
+    _rewrite_records(run, lambda r: not after(r))
     for path in (run.path / "rollouts").glob("iter-*.parquet"):
         if int(path.stem.split("-")[1]) > iteration:
             path.unlink()
@@ -211,8 +216,9 @@ class Durable:
     """Checkpoints, resume and recovery of one run; see the module docstring."""
 
     def __init__(self, pc: PoolCluster, run: RunDir, cfg: Config, spec: TrainSpec,
-                 model_path: str | Path, prompts: pa.Table) -> None:
-        self.pc, self.run, self.cfg, self.spec = pc, run, cfg, spec
+                 model_path: str | Path, prompts: pa.Table,
+                 log: Callable[[str], None] = print) -> None:
+        self.pc, self.run, self.cfg, self.spec, self.log = pc, run, cfg, spec, log
         self.model_path = str(model_path)
         self.digest = data_digest(prompts)
         self.root = run.path / "checkpoints"
@@ -298,6 +304,7 @@ class Durable:
             self.save(0, weights, sampler, state, ledger)
             return 0, weights
         path, skipped = _newest_whole(self.root)
+        self._say_skipped(skipped, path)
         self.totals_before = dict(ckpt.read_driver(path, restore_rng=False).ledger_totals)
         iteration, weights = self.restore(path, sampler, state, drop_eval_at=True)
         self.run.append_metrics({"event": "resume", "iteration": iteration,
@@ -337,6 +344,7 @@ class Durable:
         if path is None:
             raise RuntimeError(f"the trainer was lost and no whole checkpoint is left under "
                                f"{self.root} ({'; '.join(skipped)})") from err
+        self._say_skipped(skipped, path)
         self._wait_forgotten(ckpt.iteration_of(path) + 1)
         iteration, weights = self.restore(path, sampler, state, drop_eval_at=False)
         self.run.append_metrics({"event": "recover", "iteration": iteration,
@@ -344,6 +352,11 @@ class Durable:
                                  "error": error, "skipped": skipped,
                                  "recoveries": self.recoveries})
         return iteration, weights
+
+    def _say_skipped(self, skipped: list[str], used: Path) -> None:
+        """One line for every newer checkpoint passed over, and why."""
+        for line in skipped:
+            self.log(f"checkpoint skipped, using {used.name}: {line}")
 
     def _wait_forgotten(self, first: int) -> None:
         """Wait (bounded) until this client and the scheduler dropped the tasks of the

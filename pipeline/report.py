@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -63,7 +64,12 @@ class RunData:
         if (run.path / "ledger.json").exists():
             data.ledger = run.read_json("ledger.json")
         for f in sorted((run.path / "rollouts").glob("iter-*.parquet")):
-            column = pq.read_table(f, columns=["response_ids"]).column("response_ids")
+            try:
+                column = pq.read_table(f, columns=["response_ids"]).column("response_ids")
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(f"{f}: cannot read as Parquet ({' '.join(str(err).split())}); "
+                                 "restore it from a copy, or move it away to report without "
+                                 "that iteration's lengths") from None
             data.lengths[int(f.stem.split("-")[1])] = pc.list_value_length(column).to_numpy(
                 zero_copy_only=False)
         return data
@@ -192,7 +198,7 @@ def add_parser(sub: Any) -> None:
 def run_from_args(args: Any) -> int:
     try:
         print(write_report(args.run, args.output))
-    except (FileNotFoundError, ImportError) as err:
+    except (FileNotFoundError, ImportError, ValueError) as err:  # ValueError: a bad file
         print(f"rlhfless: report: {err}", file=sys.stderr)
         return 2
     return 0

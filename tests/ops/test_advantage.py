@@ -142,6 +142,7 @@ def test_pipeline_schema_from_rollouts_to_trainable() -> None:
         (EXAMPLE, {"method": "ppo"}, "unknown method 'ppo'"),
         (EXAMPLE, {"eps": 0.0}, "eps must be > 0"),
         (scored(["a", "a"], [1.0, float("nan")]), {}, "reward is nan at row 1"),
+        (scored(["a", "a"], [0.0, 1e300]), {}, "reward is 1e\\+300 at row 1.*within 1e\\+15"),
         (
             pa.table({"prompt_id": ["a", None], "reward": [1.0, 0.0]}),
             {},

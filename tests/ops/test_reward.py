@@ -6,11 +6,13 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from rlhfless.ops.advantage import compute_advantages
 from rlhfless.ops.reward import (
     VERIFIERS,
     GuardedCaller,
@@ -23,7 +25,7 @@ from rlhfless.ops.reward import (
     reward_summary,
     score,
 )
-from rlhfless.ops.schema import ROLLOUTS, SCORED
+from rlhfless.ops.schema import MAX_ABS_REWARD, ROLLOUTS, SCORED
 
 
 def rows(*triples: tuple[str | None, str | None, str | None]) -> pa.Table:
@@ -193,7 +195,38 @@ def test_failures_are_recorded_per_sample(release: threading.Event) -> None:
     assert [errors[i] for i in (2, 7, 8, 9)] == [None] * 4
     assert reward_summary(scored) == {"reward_mean": pytest.approx(-2.5 / 10), "reward_errors": 6}
     assert reward_error_counts(scored) == {"reward_timeouts": 1, "reward_nonfinite": 2,
-                                           "reward_nonnumeric": 2, "reward_raised": 1}
+                                           "reward_out_of_range": 0, "reward_nonnumeric": 2,
+                                           "reward_raised": 1}
+
+
+def test_huge_and_overflowing_rewards_are_counted_bad_rewards() -> None:
+    """``10**400`` crashed the stage (float() overflows); ``1e300`` was accepted, and its
+    group's std overflowed to inf, zeroing every advantage of the group."""
+    huge = {"1e300": 1e300, "-1e300": -1e300, "10**400": 10**400, "10**5000": 10**5000,
+            "fraction": Fraction(10**400), "np": np.float64(-1e300), "limit": MAX_ABS_REWARD,
+            "just_over": int(MAX_ABS_REWARD) + 1}
+    fns = {name: (lambda v: lambda t, a: v)(value) for name, value in huge.items()}
+    scored = score(rows(*[("= 7", "7", name) for name in huge]), fns, fallback=0.0)
+    errors = dict(zip(huge, scored.column("reward_error").to_pylist()))
+    assert errors.pop("limit") is None  # the limit itself is a reward
+    for name, error in errors.items():
+        assert error.startswith("reward out of range") and len(error) <= 200, (name, error)
+    assert "1e+300" in errors["1e300"] and "1329 bits" in errors["10**400"]
+    assert reward_error_counts(scored)["reward_out_of_range"] == len(huge) - 1
+    assert scored.column("reward").to_pylist() == [0.0] * 6 + [MAX_ABS_REWARD, 0.0]
+
+
+def test_a_huge_reward_leaves_the_advantages_of_its_batch() -> None:
+    """Two groups, one sample of group a scored 1e300 by a user function: a counted bad
+    reward with the fallback, and every group keeps non-zero advantages."""
+    table = rows(("= 7", "7", "user"), ("= 7", "7", None), ("= 1", "7", None),
+                 ("= 7", "7", None), ("= 1", "7", None), ("= 1", "7", None))
+    table = table.append_column("prompt_id", pa.array(["a", "a", "a", "b", "b", "b"]))
+    scored = score(table, {"user": lambda t, a: 1e300}, fallback=0.0)
+    assert reward_summary(scored)["reward_errors"] == 1
+    advantage = compute_advantages(scored).column("advantage").to_pylist()
+    assert all(math.isfinite(x) for x in advantage)
+    assert advantage[0] < 0 < advantage[1] and advantage[3] > 0 > advantage[4]
 
 
 def test_null_answer_and_null_response_are_sample_errors() -> None:

@@ -193,6 +193,64 @@ def test_commit_is_atomic_and_partial_checkpoints_fall_back(tmp_path):
     assert ckpt.read_driver(path).sampler_position == 4
 
 
+def overwrite_in_place(chunk: Path) -> None:
+    """A stray write: every byte of ``chunk`` set to 0xFF (NaN in float32 and bfloat16),
+    the size unchanged."""
+    size = chunk.stat().st_size
+    with open(chunk, "r+b") as f:
+        f.write(b"\xff" * size)
+    assert chunk.stat().st_size == size
+
+
+def test_a_chunk_overwritten_in_place_falls_back_to_the_previous_checkpoint(tmp_path):
+    """Sizes alone passed this: resume then loaded NaN weights, every time."""
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    steps(model, opt, 1)
+    save(tmp_path, 1, model, opt)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    steps(model, opt, 1)
+    newest = save(tmp_path, 2, model, opt)
+    overwrite_in_place(next((newest / "trainer" / "model" / "mid.weight").glob("c.*")))
+    assert ckpt.problem(newest, content=False) is None  # the sizes still match
+    path, skipped = ckpt.latest(tmp_path)
+    assert path.name == "iter-00001"
+    assert len(skipped) == 1 and "\n" not in skipped[0]
+    assert "iter-00002" in skipped[0] and "mid.weight" in skipped[0] and "CRC32C" in skipped[0]
+    fresh = Tied()
+    ckpt.read_trainer(path, fresh, torch.optim.AdamW(fresh.parameters()))
+    for name, tensor in fresh.state_dict().items():
+        assert torch.isfinite(tensor.float()).all() and torch.equal(tensor, good[name]), name
+    with pytest.raises(ValueError, match="CRC32C"):
+        ckpt.export_hf(newest, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_manifest_of_format_1_is_still_read_by_its_sizes(tmp_path):
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    path = save(tmp_path, 1, model, opt)
+    manifest = json.loads((path / ckpt.MARKER).read_text())
+    manifest["format_version"] = 1
+    manifest["files"] = {rel: e["bytes"] for rel, e in manifest["files"].items()}
+    (path / ckpt.MARKER).write_text(json.dumps(manifest))
+    assert ckpt.latest(tmp_path) == (path, [])
+
+
+def test_export_refuses_a_damaged_checkpoint_in_one_line(tiny_model_dir, tmp_path, capsys):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    run = tmp_path / "run"
+    path = save(run / "checkpoints", 3, model, torch.optim.AdamW(model.parameters()),
+                model_path=str(tiny_model_dir))
+    overwrite_in_place(next((path / "trainer" / "model").rglob("c.*")))
+    capsys.readouterr()
+    assert main(["export", str(run), "-o", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "iter-00003" in err and "CRC32C" in err and "--iteration" in err and "\n" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_prune_keeps_the_newest_whole_ones(tmp_path):
     model = Tied()
     opt = torch.optim.AdamW(model.parameters())

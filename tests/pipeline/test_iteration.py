@@ -6,6 +6,8 @@ from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import PromptSampler, train
@@ -23,6 +25,49 @@ def test_sampler_is_seeded_and_covers_each_epoch(tiny_model_dir):
     assert sorted(flat[:10]) == sorted(f"p{i}" for i in range(10))  # epoch 1: each once
     assert sorted(flat[10:20]) == sorted(f"p{i}" for i in range(10))  # epoch 2: each once
     assert a.position == 20
+
+
+def _ids(n: int):
+    import pyarrow as pa
+
+    return pa.table({"prompt_id": [f"p{i}" for i in range(n)]})
+
+
+@pytest.mark.parametrize(("n_prompts", "batch"), [(100, 32), (10, 8), (8, 8), (9, 8), (3, 1)])
+def test_a_batch_never_repeats_a_prompt_across_epochs(n_prompts, batch):
+    """100 prompts, batch 32: the fourth batch crossed into epoch 2 and held a prompt twice."""
+    sampler = PromptSampler(_ids(n_prompts), batch, seed=0)
+    stream = []
+    for _ in range(40):
+        drawn = sampler.next_batch().column("prompt_id").to_pylist()
+        assert len(set(drawn)) == batch, (len(stream) // batch + 1, Counter(drawn).most_common(1))
+        stream += drawn
+    for epoch in range(len(stream) // n_prompts):  # every epoch still holds every prompt once
+        assert sorted(stream[epoch * n_prompts:(epoch + 1) * n_prompts]) == sorted(
+            f"p{i}" for i in range(n_prompts))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_prompts=st.integers(1, 30), data=st.data(), seed=st.integers(0, 3))
+def test_any_batch_sizes_stay_distinct_and_resume_from_the_position(n_prompts, data, seed):
+    """Replay mode draws fewer than a batch; a resumed run rebuilds the order from position."""
+    batch = data.draw(st.integers(1, n_prompts))
+    sizes = data.draw(st.lists(st.integers(1, batch), min_size=1, max_size=12))
+    sampler = PromptSampler(_ids(n_prompts), batch, seed=seed)
+    for i, n in enumerate(sizes):
+        position = sampler.position
+        drawn = sampler.next_batch(n).column("prompt_id").to_pylist()
+        assert len(set(drawn)) == n
+        resumed = PromptSampler(_ids(n_prompts), batch, seed=seed)
+        resumed.position = position
+        assert resumed.next_batch(n).column("prompt_id").to_pylist() == drawn, i
+
+
+def test_a_dataset_smaller_than_a_batch_is_refused():
+    with pytest.raises(ValueError, match="5 prompts, fewer than a batch of 8"):
+        PromptSampler(_ids(5), 8, seed=0)
+    with pytest.raises(ValueError, match="at most a batch of 4"):
+        PromptSampler(_ids(10), 4, seed=0).next_batch(5)
 
 
 def test_training_run_yields_every_sample_once(tiny_model_dir, tmp_path):
