@@ -15,7 +15,13 @@ policies the live scheduler calls, so a baseline is a configuration, never a cop
 - prefill dedup: each group's prompt prefilled once per worker (and the batch's shared prefix
   once per worker), or every sample prefilled on its own;
 - billing: ``reserved`` (every GPU billed from the run's start to its end, serverful) or
-  ``per_use`` (a worker is billed from its start, cold start included, until it stops).
+  ``per_use`` (a worker is billed from its start, cold start included, until it stops);
+- engine: how the generation engine runs (``profiles.ENGINES``: verl 0.3's defaults, a tuned
+  verl, or our dedicated actors) and an optional TP;
+- learner: the shared-prompt forward (each group's prompt forwarded once in the update and
+  the forward-only passes, as ``ops/forward.py`` does) and the forward-only passes (old
+  log-probs, reference) run on generation GPUs released while the tail still decodes;
+- whole-step scoring: the scaling score adds the update that follows generation.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 from .assignment import assign_by_length
 from .migration import Migration, WorkerProgress, plan_migration
 from .predictor import LengthPredictor
-from .profiles import Profile
+from .profiles import ENGINES, Profile
 from .scaling import ScalingDecision, choose_generation_workers, round_robin
 from .throughput import ThroughputModel
 from .workloads import Batch
@@ -40,6 +46,7 @@ CHOICES = {
     "scaling": ("elastic", "static"),
     "assignment": ("length", "round_robin", "replay"),
     "migration": ("none", "local", "global"),
+    "engine": tuple(ENGINES),
 }
 
 
@@ -59,6 +66,11 @@ class PolicyConfig:
     oracle: bool = False  # perfect length knowledge instead of the predictor
     keep_alive: str | float = "auto"  # idle seconds before release, or "auto" (see simulator)
     prewarm: bool = True  # start workers a cold start ahead, so it is billed but not waited
+    engine: str = "dedicated"  # generation engine settings (profiles.ENGINES)
+    tp: int | None = None  # generation TP; None: the engine's (else the model's)
+    shared_prompt_forward: bool = False  # learner forwards each group's prompt once
+    tail_forwards: bool = False  # forward-only passes on generation GPUs freed in the tail
+    score_step: bool = False  # scaling scores generation + the update that follows
 
     def __post_init__(self) -> None:
         for key, allowed in CHOICES.items():
@@ -86,23 +98,32 @@ class PolicyConfig:
         return dataclasses.asdict(self)
 
 
-VERL = PolicyConfig("verl-like", billing="reserved", scaling="static", assignment="round_robin",
-                    dedup=False, migration="none")
-ELASTIC = PolicyConfig("rlhfless (ours)")
-RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
-ORACLE = PolicyConfig("oracle", oracle=True)
+VERL_03 = PolicyConfig("verl-0.3", billing="reserved", scaling="static",
+                       assignment="round_robin", dedup=False, migration="none", engine="verl-0.3")
+VERL_TUNED = VERL_03.replace(name="verl-tuned", engine="verl-tuned")
+VERL = VERL_03  # the RLHFless paper's baseline
 SERVERLESS_BASE = PolicyConfig("serverless base", scaling="static", assignment="round_robin",
                                dedup=False, migration="none")
+# the paper's mechanisms: dedup, assignment, scaling, cut-and-migrate (see ablations())
+PAPER_MECHANISMS = PolicyConfig("rlhfless (paper's mechanisms)")
+ELASTIC = PAPER_MECHANISMS.replace(name="rlhfless (ours)", shared_prompt_forward=True,
+                                   tail_forwards=True)
+RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
+ORACLE = ELASTIC.replace(name="oracle", oracle=True)
 
 
 def ablations() -> list[PolicyConfig]:
-    """RLHFless's ablation chain on per-use billing: base, +dedup, +assignment, +scaling,
-    +cut-and-migrate (the last is the full elastic policy)."""
+    """The ablation chain on per-use billing: RLHFless's base, +dedup, +assignment, +scaling,
+    +cut-and-migrate (the paper's mechanisms), then ours: +shared-prompt forward, +forwards
+    on released generation GPUs (the full policy)."""
     base = SERVERLESS_BASE
     dedup = base.replace(name="+dedup", dedup=True)
     assign = dedup.replace(name="+assignment", assignment="length")
     scale = assign.replace(name="+scaling", scaling="elastic")
-    return [base, dedup, assign, scale, scale.replace(name="+cut-and-migrate", migration="local")]
+    migrate = scale.replace(name="+cut-and-migrate", migration=PAPER_MECHANISMS.migration)
+    shared = migrate.replace(name="+shared-prompt forward", shared_prompt_forward=True)
+    return [base, dedup, assign, scale, migrate, shared,
+            shared.replace(name="+forwards in the tail", tail_forwards=True)]
 
 
 def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[Migration]:
@@ -173,8 +194,11 @@ class SimPolicy:
             return np.maximum(batch.prompt_tokens - batch.shared_prefix_tokens, 0).astype(float)
         return batch.prompt_tokens.astype(np.float64) * batch.n_samples
 
-    def plan(self, batch: Batch, keep_warm: int) -> ScalingDecision:
-        """This iteration's worker count and assignment (``choose_generation_workers``)."""
+    def plan(self, batch: Batch, keep_warm: int, fixed_seconds: float = 0.0,
+             fixed_cost_ws: float = 0.0) -> ScalingDecision:
+        """This iteration's worker count and assignment (``choose_generation_workers``);
+        with ``score_step`` the rest of the step (``fixed_*``: the last update) is scored
+        too."""
         mean, mx = self._pred = self.predictions(batch)
         cfg = self.cfg
         if cfg.assignment == "replay":
@@ -194,7 +218,9 @@ class SimPolicy:
         return choose_generation_workers(
             mean, batch.n_samples, self.model, max_workers=hi, min_workers=lo,
             lambda_cost=cfg.lambda_cost, keep_warm=keep_warm, assign=assign,
-            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch))
+            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch),
+            fixed_seconds=fixed_seconds if cfg.score_step else 0.0,
+            fixed_cost_ws=fixed_cost_ws if cfg.score_step else 0.0)
 
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:

@@ -80,6 +80,8 @@ class IterationResult:
     prefill_tokens: float = 0.0
     pred_mape: float | None = None
     gpu_s: float = 0.0  # GPU-seconds billed inside this iteration's span
+    forward_s: float = 0.0  # learner seconds of forward-only passes (part of the update)
+    tail_forward_gpu_s: float = 0.0  # forward-only GPU-s run on released generation GPUs
 
     @property
     def step_s(self) -> float:
@@ -220,11 +222,14 @@ class Simulator:
                  policy: PolicyConfig, keep_sequences: bool = False) -> None:
         if not trace.batches:
             raise ValueError(f"Simulator: trace {trace.name!r} has no batches")
+        if policy.engine != profile.engine or policy.tp not in (None, profile.tp):
+            profile = profile.variant(policy.engine, policy.tp)
+        self.profile = profile
         self.pool_size = cluster.gpus // profile.tp
         if self.pool_size < 1:
             raise ValueError(f"Simulator: {cluster.gpus} GPUs cannot hold one worker of "
                              f"tp={profile.tp} ({profile.name}); allowed: gpus >= tp")
-        self.trace, self.profile, self.cluster, self.cfg = trace, profile, cluster, policy
+        self.trace, self.cluster, self.cfg = trace, cluster, policy
         self.train_gpus = int(cluster.train_gpus or cluster.gpus)
         first = trace.batches[0]
         self.cap = int(cluster.max_batch or profile.batch_cap(
@@ -274,7 +279,9 @@ class Simulator:
         self.gen.expire(t)
         n_warm = len(self.gen.awake)
         started = time.perf_counter()
-        decision = self.policy.plan(batch, keep_warm=n_warm)
+        post = self._post_gen_s or 0.0  # the last reward + update: the rest of the step
+        decision = self.policy.plan(batch, keep_warm=n_warm, fixed_seconds=post,
+                                    fixed_cost_ws=post * self.train_gpus / prof.tp)
         plan_ms = 1e3 * (time.perf_counter() - started)
         n_workers = decision.n_workers
         t_gen = t + prof.iteration_overhead_s
@@ -311,8 +318,12 @@ class Simulator:
             (name, update_start, _), = self.learner.take(
                 1, reward_end, prof.train_start_seconds(self.train_gpus, cold=True),
                 prof.train_start_seconds(self.train_gpus, cold=False), cfg.prewarm)
-        tokens = float(length.sum() + prompt.sum())
-        update_end = update_start + prof.update_seconds(tokens, self.train_gpus)
+        tokens = float(length.sum() + (batch.prompt_tokens.sum() if cfg.shared_prompt_forward
+                                       else prompt.sum()))
+        forward_gpu_s = prof.forward_seconds(tokens, 1)
+        finish, in_tail = self._tail_forwards(finish, mig, forward_gpu_s, gen_end)
+        forward_s = (forward_gpu_s - in_tail) / self.train_gpus
+        update_end = update_start + forward_s + prof.update_seconds(tokens, self.train_gpus)
         if not self.reserved:
             wake = prof.train_start_seconds(self.train_gpus, cold=False)
             self.learner.awake[name] = (update_end, self._expiry(
@@ -341,9 +352,38 @@ class Simulator:
             migrations=mig.n_migrations, moved_sequences=mig.n_moved,
             recompute_tokens=mig.recompute_tokens, decode_tokens=int(length.sum()),
             prefill_tokens=float(sum(r.prefill.sum() for r in all_runs)),
-            pred_mape=error.get("mape"))
+            pred_mape=error.get("mape"), forward_s=forward_s, tail_forward_gpu_s=in_tail)
         self.results.append(res)
         return res
+
+    def _tail_forwards(self, finish: dict[str, float], mig: MigrationEvents, work_gpu_s: float,
+                       gen_end: float) -> tuple[dict[str, float], float]:
+        """Forward-only passes on generation GPUs released before ``gen_end`` (policy
+        ``tail_forwards``). A released worker loads the reference weights from host memory
+        (a wake's transfer), then forwards finished sequences until ``gen_end``; only the
+        work of sequences finished before the last worker's release is eligible. Returns
+        each worker's new release time (it stays billed while it forwards) and the GPU-s
+        done there."""
+        if not self.cfg.tail_forwards or work_gpu_s <= 0 or len(finish) < 2:
+            return finish, 0.0
+        prof = self.profile
+        ends = np.concatenate([r.finish_times() for r in mig.all_runs()])
+        ends = ends[np.isfinite(ends)]
+        second_last = sorted(finish.values())[-2]
+        eligible = work_gpu_s * float(np.mean(ends <= second_last)) if ends.size else 0.0
+        load = prof.gen_wake_s
+        window = {w: max(gen_end - f - load, 0.0) * prof.tp for w, f in finish.items()}
+        total = sum(window.values())
+        done = min(eligible, total)
+        if done <= 0:
+            return finish, 0.0
+        out = {}
+        for w, f in finish.items():
+            used = done * window[w] / total
+            out[w] = f + load + used / prof.tp if used > 0 else f
+            if used > 0:
+                self.busy.append((f, out[w], prof.tp))
+        return out, done
 
     def run(self) -> SimResult:
         for batch in self.trace.batches:

@@ -70,7 +70,7 @@ def test_ledger_is_consistent(trace, policy):
 
 
 def test_static_vs_elastic_sanity(trace):
-    verl = simulate(trace, PROFILE, CLUSTER, VERL).summary()
+    verl = simulate(trace, PROFILE, CLUSTER, VERL.replace(engine="dedicated")).summary()
     base = simulate(trace, PROFILE, CLUSTER, SERVERLESS_BASE).summary()
     cheap = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(lambda_cost=0.0)).summary()
     fast = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(lambda_cost=1.0)).summary()
@@ -79,7 +79,7 @@ def test_static_vs_elastic_sanity(trace):
     # one-off start-up) per-use billing is cheaper
     assert base["step_s"] == pytest.approx(verl["step_s"], rel=0.05)
     steady = {p.name: sum(i.gpu_s for i in simulate(trace, PROFILE, CLUSTER, p).iterations[1:])
-              for p in (VERL, SERVERLESS_BASE)}
+              for p in (VERL.replace(engine="dedicated"), SERVERLESS_BASE)}
     assert steady[SERVERLESS_BASE.name] < steady[VERL.name]
     assert cheap["mean_workers"] < fast["mean_workers"] <= CLUSTER.gpus
     assert cheap["gpu_s"] < base["gpu_s"] and cheap["step_s"] > fast["step_s"]
@@ -93,7 +93,7 @@ def test_equal_lengths_match_hand_computation():
     trace = Trace("flat", [batch], n, 1024)
     prof = PROFILE.replace(step_per_ctx_token_s=0.0, iteration_overhead_s=0.0,
                            reward_s_per_sample=0.0)
-    res = simulate(trace, prof, ClusterConfig(gpus=2), VERL)
+    res = simulate(trace, prof, ClusterConfig(gpus=2), VERL.replace(engine="dedicated"))
     it = res.iterations[0]
     b = g * n // 2  # sequences per worker, all live for every step
     decode = length * (prof.step_base_s + prof.step_per_seq_s * b)
@@ -101,7 +101,9 @@ def test_equal_lengths_match_hand_computation():
     assert it.gen_s == pytest.approx(prof.gen_wake_s + prof.sync_s + prefill + decode)
     tokens = g * n * (length + prompt)
     assert it.update_s == pytest.approx(prof.update_overhead_s + tokens / (
-        prof.update_tokens_per_s_per_gpu * 2))
+        prof.update_tokens_per_s_per_gpu * 2) + 2 * tokens / (
+        prof.forward_tokens_per_s_per_gpu * 2))  # old log-prob + reference forwards
+    assert it.forward_s == pytest.approx(tokens / prof.forward_tokens_per_s_per_gpu)
 
 
 def test_all_baselines_and_ablations_run(trace):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rlhfless.schedulers.profile_fit import profile_from_run
 from rlhfless.schedulers.profiles import (
     H100,
     L40S,
@@ -16,7 +17,6 @@ from rlhfless.schedulers.profiles import (
     QWEN25_3B,
     derive_profile,
     get_profile,
-    profile_from_run,
 )
 from rlhfless.schedulers.workloads import (
     GSM8K,
