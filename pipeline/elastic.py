@@ -31,7 +31,7 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.assignment import assign_by_length
 from rlhfless.schedulers.migration import WorkerProgress, plan_migration
-from rlhfless.schedulers.predictor import LengthPredictor
+from rlhfless.schedulers.predictor import LengthPredictor, remaining_tokens
 from rlhfless.schedulers.scaling import choose_generation_workers, round_robin
 from rlhfless.schedulers.throughput import ThroughputModel
 
@@ -194,8 +194,8 @@ class ElasticGeneration:
         ids = [seq_id(p, s) for p, s in zip(cut.column("prompt_id").to_pylist(),
                                              cut.column("sample_idx").to_pylist())]
         cur = [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
-        rem = [max(1.0, self.pred_max[seq.rsplit("#", 1)[0]] - len(g))
-               for seq, g in zip(ids, partial)]
+        rem = remaining_tokens([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
+                               [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
         moves = [m for m in plan_migration(self.load, self.cfg.tau_migrate,
                                            self.state.throughput,

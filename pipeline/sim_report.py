@@ -1,8 +1,10 @@
 """The simulation report: markdown tables, ``results.json`` and PNG plots.
 
-``write_report(reports, out_dir)`` takes what ``simulate.run_scenario`` returns for each
-scenario and writes ``report.md`` (headline vs the paper, one table per scenario with every
-baseline and ablation, the sweeps), ``results.json`` (the same rows), and per scenario three
+``write_report(reports, out_dir, pat=...)`` takes what ``simulate.run_scenario`` returns for
+each scenario (and ``simulate.run_pat`` for PAT's settings) and writes ``report.md``
+(headline vs the paper, one table per scenario with every baseline, ablation and the upper
+bound, the sweeps, PAT vs static TP), ``results.json`` and ``pat.json`` (the same rows), and
+per scenario three
 plots comparing the verl baselines with our policy: step time per iteration, GPU-seconds
 per iteration, and GPUs billed vs busy over time. matplotlib is an optional dependency (the
 ``dev`` and ``notebooks`` extras); it is imported only when plotting.
@@ -174,7 +176,26 @@ def plot_scenario(name: str, results: dict[str, SimResult], out_dir: Path) -> li
     return paths
 
 
-def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = True) -> str:
+def pat_table(pats: list[dict[str, Any]]) -> str:
+    """PAT against static TP, per setting and TP, PAT's own headline beside."""
+    lines = ["| setting | static TP | generation s: static -> PAT | change (PAT paper: "
+             "-34.6%) | step s: static -> PAT | change (PAT paper: -27.2%) | merges |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for rep in pats:
+        sc = rep["scenario"]
+        for r in rep["rows"]:
+            best = " (fastest static)" if r["tp"] == rep["best_static_tp"] else ""
+            lines.append(
+                f"| {sc['name']}: {sc['profile']['name']}, {sc['gpus']} GPUs, "
+                f"{sc['workload']['name']} {sc['workload']['batch_prompts']}x"
+                f"{sc['workload']['n_samples']} | {r['tp']}{best} | {r['static_gen_s']:.1f} -> "
+                f"{r['pat_gen_s']:.1f} | {_pct(r['gen_change'])} | {r['static_step_s']:.1f} -> "
+                f"{r['pat_step_s']:.1f} | {_pct(r['step_change'])} | {r['reconfigurations']} |")
+    return "\n".join(lines)
+
+
+def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = True,
+                 pat: list[dict[str, Any]] | None = None) -> str:
     """Write ``report.md``, ``results.json`` and the plots; returns the printed text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     images: list[Path] = []
@@ -189,8 +210,14 @@ def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = Tru
             "reported ones.\n\n" + headline_table(reports)
             + "\n\n" + baselines_table(reports))
     body = "\n\n".join(scenario_section(rep) for rep in reports)
+    if pat:
+        body += ("\n\n## PAT: adaptive TP in the generation tail\n\nverl-tuned at a static "
+                 "TP, with and without PAT's mid-generation merges (reserved pool, so GPU-s "
+                 "follow the step time).\n\n" + pat_table(pat))
     figs = "\n".join(f"![{p.stem}]({p.name})" for p in images)
     (out_dir / "report.md").write_text(f"{head}\n\n{body}\n\n{figs}\n")
     clean = [{k: v for k, v in rep.items() if k != "results"} for rep in reports]
     (out_dir / "results.json").write_text(json.dumps(clean, indent=1, default=float))
+    if pat:
+        (out_dir / "pat.json").write_text(json.dumps(pat, indent=1, default=float))
     return f"{head}\n\n{body}"

@@ -3,16 +3,18 @@
     rlhfless simulate [scenario.toml ...] [--out DIR] [--iterations N] [--quick]
     rlhfless simulate scenario.toml --plan (--deadline SECONDS | --budget GPU_S)
 
-Without a scenario file the two settings of the RLHFless paper are simulated: its physical
+Without a scenario file the two settings of the RLHFless paper are simulated, its physical
 testbed (GRPO, Qwen2.5-3B, GSM8K-like lengths, 16 L40S) and its simulated cluster
-(Llama2-70B, 20 x 8 H100). Every scenario runs two verl baselines (``verl-0.3``: the paper's,
-with verl 0.3's rollout defaults; ``verl-tuned``: CUDA graphs, 0.9 of memory, the fastest
-TP), the RLHFuse-like and Oracle baselines, our policy and its ablation chain on one trace,
-the upper bound of any scheduler given the update (``sim_bounds``), plus sweeps of tau,
-lambda and the EWMA alpha; the report directory gets ``report.md``, ``results.json`` and PNG
-plots (step time, GPU-seconds, utilisation over time). ``--plan`` searches pool sizes and
-lambda for the cheapest configuration that meets a per-iteration deadline, or the fastest
-one within a per-iteration GPU-second budget.
+(Llama2-70B, 20 x 8 H100), and PAT's two (``run_pat``: static TP against PAT on long
+chain-of-thought lengths, Llama-3.1-8B and Qwen3-14B on 8 H100). Every scenario runs two
+verl baselines (``verl-0.3``: the paper's, with verl 0.3's rollout defaults;
+``verl-tuned``: CUDA graphs, 0.9 of memory, the fastest TP), the RLHFuse-like and Oracle
+baselines, our policy and its ablation chain on one trace, the upper bound of any scheduler
+given the update (``sim_bounds``), plus sweeps of tau, lambda and the EWMA alpha; the report
+directory gets ``report.md``, ``results.json``, ``pat.json`` and PNG plots (step time,
+GPU-seconds, utilisation over time). ``--plan`` searches pool sizes and lambda for the
+cheapest configuration that meets a per-iteration deadline, or the fastest one within a
+per-iteration GPU-second budget.
 
 A scenario file (TOML)::
 
@@ -115,6 +117,34 @@ def paper_scenarios() -> list[Scenario]:
         Scenario("paper-simulated", get_profile("Llama2-70B@H100"), 160, GSM8K,
                  paper=PAPER["paper-simulated"]),
     ]
+
+
+PAT_PAPER = {"gen_change": -0.346, "step_change": -0.272}  # PAT's headline vs static TP
+
+
+def pat_scenarios() -> list[Scenario]:
+    """PAT's own setting: Llama-3.1-8B and Qwen3-14B on one 8-GPU node, DeepScaleR-like
+    long chain-of-thought lengths."""
+    return [Scenario(f"pat-{m}", get_profile(f"{m}@H100"), 8, LONG_COT, paper=PAT_PAPER)
+            for m in ("Llama3.1-8B", "Qwen3-14B")]
+
+
+def run_pat(sc: Scenario) -> dict[str, Any]:
+    """Static TP (verl-tuned at every TP that fits) against the same with PAT: generation
+    and step seconds, and their change."""
+    trace = synthetic_trace(sc.workload)
+    rows = []
+    for tp in [t for t in sc.profile.feasible_tps(VERL_TUNED.engine) if t <= sc.gpus]:
+        static = simulate(trace, sc.profile, sc.cluster, VERL_TUNED.replace(tp=tp)).summary()
+        pat = simulate(trace, sc.profile, sc.cluster,
+                       VERL_TUNED.replace(tp=tp, pat=True)).summary()
+        rows.append({"tp": tp, "static_gen_s": static["gen_s"], "pat_gen_s": pat["gen_s"],
+                     "static_step_s": static["step_s"], "pat_step_s": pat["step_s"],
+                     "gen_change": pat["gen_s"] / static["gen_s"] - 1,
+                     "step_change": pat["step_s"] / static["step_s"] - 1,
+                     "reconfigurations": pat["reconfigurations"]})
+    best = min(rows, key=lambda r: r["static_step_s"])
+    return {"scenario": sc.to_record(), "rows": rows, "best_static_tp": best["tp"]}
 
 
 def _fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -291,10 +321,10 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
                   plan_deadline: float | None = None, plan_budget: float | None = None) -> int:
     """Entry point of ``rlhfless simulate`` (argument parsing lives in ``cli.py``)."""
     scs = [load_scenario(p) for p in scenarios] if scenarios else paper_scenarios()
+    pat_scs = [] if scenarios else pat_scenarios()
     if iterations is not None:
-        scs = [dataclasses.replace(s, workload=dataclasses.replace(s.workload,
-                                                                   iterations=iterations))
-               for s in scs]
+        scs, pat_scs = ([dataclasses.replace(s, workload=dataclasses.replace(
+            s.workload, iterations=iterations)) for s in group] for group in (scs, pat_scs))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan_mode:
@@ -304,7 +334,8 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
             print(f"## plan: {sc.name}\n\n{plan_table(result)}\n")
         return 0
     reports = [run_scenario(sc, sweeps=not quick) for sc in scs]
-    text = write_report(reports, out_dir, plots=plots)
+    pats = [run_pat(sc) for sc in pat_scs]
+    text = write_report(reports, out_dir, plots=plots, pat=pats)
     print(text)
     print(f"\nreport written to {out_dir / 'report.md'}")
     return 0

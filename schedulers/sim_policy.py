@@ -35,7 +35,7 @@ import numpy as np
 
 from .assignment import assign_by_length
 from .migration import Migration, WorkerProgress, plan_migration
-from .predictor import LengthPredictor
+from .predictor import LengthPredictor, remaining_tokens
 from .profiles import ENGINES, Profile
 from .scaling import ScalingDecision, choose_generation_workers, round_robin
 from .throughput import ThroughputModel
@@ -71,6 +71,7 @@ class PolicyConfig:
     shared_prompt_forward: bool = False  # learner forwards each group's prompt once
     tail_forwards: bool = False  # forward-only passes on generation GPUs freed in the tail
     score_step: bool = False  # scaling scores generation + the update that follows
+    pat: bool = False  # PAT: merge a node's live workers into a higher TP in the tail
 
     def __post_init__(self) -> None:
         for key, allowed in CHOICES.items():
@@ -106,24 +107,26 @@ SERVERLESS_BASE = PolicyConfig("serverless base", scaling="static", assignment="
                                dedup=False, migration="none")
 # the paper's mechanisms: dedup, assignment, scaling, cut-and-migrate (see ablations())
 PAPER_MECHANISMS = PolicyConfig("rlhfless (paper's mechanisms)")
-ELASTIC = PAPER_MECHANISMS.replace(name="rlhfless (ours)", shared_prompt_forward=True,
-                                   tail_forwards=True)
+ELASTIC = PAPER_MECHANISMS.replace(name="rlhfless (ours)", pat=True, score_step=True,
+                                   shared_prompt_forward=True, tail_forwards=True)
 RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
 ORACLE = ELASTIC.replace(name="oracle", oracle=True)
 
 
 def ablations() -> list[PolicyConfig]:
     """The ablation chain on per-use billing: RLHFless's base, +dedup, +assignment, +scaling,
-    +cut-and-migrate (the paper's mechanisms), then ours: +shared-prompt forward, +forwards
-    on released generation GPUs (the full policy)."""
+    +cut-and-migrate (the paper's mechanisms), then ours: +PAT, +shared-prompt forward,
+    +forwards on released generation GPUs, +whole-step scoring (the full policy)."""
     base = SERVERLESS_BASE
     dedup = base.replace(name="+dedup", dedup=True)
     assign = dedup.replace(name="+assignment", assignment="length")
     scale = assign.replace(name="+scaling", scaling="elastic")
     migrate = scale.replace(name="+cut-and-migrate", migration=PAPER_MECHANISMS.migration)
-    shared = migrate.replace(name="+shared-prompt forward", shared_prompt_forward=True)
-    return [base, dedup, assign, scale, migrate, shared,
-            shared.replace(name="+forwards in the tail", tail_forwards=True)]
+    pat = migrate.replace(name="+PAT", pat=True)
+    shared = pat.replace(name="+shared-prompt forward", shared_prompt_forward=True)
+    tail = shared.replace(name="+forwards in the tail", tail_forwards=True)
+    return [base, dedup, assign, scale, migrate, pat, shared, tail,
+            tail.replace(name="+whole-step scoring", score_step=True)]
 
 
 def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[Migration]:
@@ -166,11 +169,14 @@ class SimPolicy:
     """The live scheduler's policy objects, driven by the simulator for one run."""
 
     def __init__(self, cfg: PolicyConfig, profile: Profile, pool: int, cap: int,
-                 ctx_hint: float) -> None:
+                 ctx_hint: float, max_response_tokens: int | None = None) -> None:
         self.cfg = cfg
+        self.max_response_tokens = max_response_tokens
         self.pool = int(pool)
         self.cap = int(cap)
         self.engine_prefill_rate = profile.prefill_tokens_per_s  # what the simulated engine does
+        kv_s = profile.kv_transfer_seconds(1.0)
+        self.kv_seconds_per_token = kv_s if np.isfinite(kv_s) else None
         self.predictor = LengthPredictor(alpha=cfg.ewma_alpha)
         # prior: the profile's step model, its context term folded in at a typical context
         self.model = ThroughputModel(
@@ -225,15 +231,16 @@ class SimPolicy:
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:
         """Predicted tokens still to decode for unfinished sequences: the truth (oracle), or
-        the group's predicted longest sample minus what was generated, at least 1."""
+        ``predictor.remaining_tokens`` (conditioned on what each has generated)."""
         if self.cfg.oracle or self._pred is None:
             return true_remaining.astype(np.float64)
-        return np.maximum(self._pred[1][group] - generated, 1.0)
+        return remaining_tokens(self._pred[1][group], generated, self.max_response_tokens)
 
     def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
         if self.cfg.migration == "local":
             return plan_migration(progress, self.cfg.tau, self.model,
-                                  lambda_cost=self.cfg.lambda_cost)
+                                  lambda_cost=self.cfg.lambda_cost,
+                                  kv_seconds_per_token=self.kv_seconds_per_token)
         if self.cfg.migration == "global":
             return global_cut(progress, self.cap)
         return []

@@ -40,6 +40,7 @@ from .ledger import CostLedger
 from .profiles import Profile
 from .sim_engine import WorkerRun, simulate_run
 from .sim_migrate import MigrationEvents
+from .sim_pat import PatEvents
 from .sim_policy import PolicyConfig, SimPolicy
 from .workloads import Batch, Trace
 
@@ -82,6 +83,7 @@ class IterationResult:
     gpu_s: float = 0.0  # GPU-seconds billed inside this iteration's span
     forward_s: float = 0.0  # learner seconds of forward-only passes (part of the update)
     tail_forward_gpu_s: float = 0.0  # forward-only GPU-s run on released generation GPUs
+    reconfigurations: int = 0  # PAT merges into a higher TP
 
     @property
     def step_s(self) -> float:
@@ -136,6 +138,7 @@ class SimResult:
             "mean_workers": float(np.mean([i.n_workers for i in its])),
             "cold_starts": int(sum(i.cold_starts for i in its)),
             "migrations": int(sum(i.migrations for i in its)),
+            "reconfigurations": int(sum(i.reconfigurations for i in its)),
             "plan_ms": float(np.mean([i.plan_ms for i in its])),
         }
 
@@ -235,7 +238,8 @@ class Simulator:
         self.cap = int(cluster.max_batch or profile.batch_cap(
             float(first.prompt_tokens.mean() + first.lengths.mean())))
         self.policy = SimPolicy(policy, profile, self.pool_size, self.cap, ctx_hint=float(
-            first.prompt_tokens.mean() + 0.5 * first.lengths.mean()))
+            first.prompt_tokens.mean() + 0.5 * first.lengths.mean()),
+            max_response_tokens=trace.max_response_tokens)
         price = profile.price_per_gpu_s
         self.gpus = {"gen": profile.tp, "train": self.train_gpus}
         self.ledger = CostLedger({p: g * price for p, g in self.gpus.items()})
@@ -308,6 +312,9 @@ class Simulator:
                                       prompt[seqs], pre, prof, self.cap)
         mig = MigrationEvents(self.policy, prof, self.cap, batch, runs, length, prompt)
         mig.run()
+        pat = PatEvents(mig, 1.0 if self.reserved else cfg.lambda_cost)
+        if cfg.pat:
+            pat.run()
         finish = mig.finish_times()
         gen_end = max(finish.values())
         n_done = mig.finished_per_worker()
@@ -331,10 +338,13 @@ class Simulator:
         post_gen = self._post_gen_s if self._post_gen_s is not None else update_end - gen_end
         next_use = t_gen + decision.predicted_seconds + post_gen
         for name, f in finish.items():
-            self.gen.awake[name] = (f, self._expiry(f, next_use, prof.gen_wake_s))
+            # the update cannot start before this worker is done: the next use is at least
+            # the reward + update time after its release
+            self.gen.awake[name] = (f, self._expiry(f, max(next_use, f + post_gen),
+                                                    prof.gen_wake_s))
         self._post_gen_s = update_end - gen_end
         all_runs = mig.all_runs()
-        self.busy.extend((r.t0, r.t_finish, prof.tp) for r in all_runs if r.n_steps)
+        self.busy.extend((r.t0, r.t_finish, r.gpus) for r in all_runs if r.n_steps)
         self.busy.append((update_start, update_end, self.train_gpus))
         for stage, a, b in (("plan", t, t_gen), ("generate", t_gen, gen_end),
                             ("reward", gen_end, reward_end), ("update", update_start, update_end)):
@@ -352,7 +362,8 @@ class Simulator:
             migrations=mig.n_migrations, moved_sequences=mig.n_moved,
             recompute_tokens=mig.recompute_tokens, decode_tokens=int(length.sum()),
             prefill_tokens=float(sum(r.prefill.sum() for r in all_runs)),
-            pred_mape=error.get("mape"), forward_s=forward_s, tail_forward_gpu_s=in_tail)
+            pred_mape=error.get("mape"), forward_s=forward_s, tail_forward_gpu_s=in_tail,
+            reconfigurations=pat.n_reconfigurations)
         self.results.append(res)
         return res
 
