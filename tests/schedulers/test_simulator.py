@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.sim_bounds import iteration_bounds
 from rlhfless.schedulers.sim_policy import (
     ELASTIC,
     ORACLE,
@@ -137,3 +138,31 @@ def test_keep_alive_and_prewarm(trace):
     waited = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive=0.0, prewarm=False))
     for a, b in zip(slept.iterations[1:], waited.iterations[1:], strict=True):
         assert b.gen_s == pytest.approx(a.gen_s + PROFILE.gen_wake_s)
+
+
+def test_no_policy_beats_the_upper_bound(trace):
+    cap = PROFILE.batch_cap(float(trace.batches[0].prompt_tokens.mean()
+                                  + trace.batches[0].lengths.mean()))
+    bound = iteration_bounds(trace, PROFILE, CLUSTER.gpus, cap)
+    for policy in (ELASTIC, ORACLE, ELASTIC.replace(lambda_cost=0.0), *ablations()):
+        s = simulate(trace, PROFILE, CLUSTER, policy).summary()
+        assert s["step_s"] > bound["step_s"], policy.name
+        assert s["gpu_s_per_iteration"] > bound["gpu_s_per_iteration"], policy.name
+
+
+def test_learner_rows_shorten_the_update_and_keep_the_forward_work(trace):
+    plain = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(
+        shared_prompt_forward=False, tail_forwards=False))
+    shared = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(tail_forwards=False))
+    tail = simulate(trace, PROFILE, CLUSTER, ELASTIC)
+    for a, b, c, batch in zip(plain.iterations, shared.iterations, tail.iterations,
+                              trace.batches, strict=True):
+        # each group's prompt forwarded once instead of n times
+        saved = (batch.n_samples - 1) * batch.prompt_tokens.sum()
+        assert a.forward_s - b.forward_s == pytest.approx(
+            saved * 2 / (PROFILE.forward_tokens_per_s_per_gpu * CLUSTER.gpus))
+        # forwards moved to released generation GPUs: the same GPU-s of work, split
+        total = PROFILE.forward_seconds(batch.lengths.sum() + batch.prompt_tokens.sum(), 1)
+        assert c.forward_s * CLUSTER.gpus + c.tail_forward_gpu_s == pytest.approx(total)
+    assert tail.summary()["update_s"] < shared.summary()["update_s"] < plain.summary()[
+        "update_s"]
