@@ -243,9 +243,13 @@ def run_scenario(sc: Scenario, sweeps: bool = True) -> dict[str, Any]:
     trace = synthetic_trace(sc.workload)
     ours = sc.policy.replace(name="rlhfless (ours)")
     results = baselines(trace, sc)
+    done: dict[tuple, SimResult] = {}  # one simulation per distinct configuration
     for p in (ours, RLHFUSE, ORACLE.replace(**{k: v for k, v in sc.policy.to_record().items()
                                                 if k not in ("name", "oracle")}), *ablations()):
-        results[p.name] = simulate(trace, sc.profile, sc.cluster, p)
+        key = tuple(sorted((k, str(v)) for k, v in p.to_record().items() if k != "name"))
+        if key not in done:
+            done[key] = simulate(trace, sc.profile, sc.cluster, p)
+        results[p.name] = done[key]
     tps = {k: results[k].profile.tp for k in SUFFIXES.values()}
     out: dict[str, Any] = {"scenario": sc.to_record(), "baseline_tp": tps,
                            "table": compare(results, SUFFIXES), "sweeps": {}}

@@ -9,7 +9,7 @@ decodes the rest inside its own, now larger, batch. For each source ``plan_migra
 - *stay*: nothing moves;
 - *move to one worker*, for every worker with room for the whole tail (the RLHFless case:
   consolidate a tail into a worker that is still decoding, release the source: cheaper);
-- *spread over the m least-loaded workers*, m = 2..``MAX_SPREAD`` (the PAT case: a big tail
+- *spread over the m least-loaded workers*, m = 2, 4, .. ``MAX_SPREAD`` (a big tail
   decoded in several smaller batches: faster), dealt longest-first to whichever target would
   then finish first.
 
@@ -237,14 +237,16 @@ def plan_migration(
         # spread over the m least-loaded workers with a free slot
         room = np.flatnonzero(eligible & (True if cap is None else fleet.live < cap))
         room = room[np.lexsort((fleet.busy[room], fleet.finish[room]))][:MAX_SPREAD]
-        for m in range(2, min(room.size, rem.size) + 1):
-            spread = _spread(fleet, room[:m], rem, cur)
+        m = 2
+        while m <= min(room.size, rem.size):
+            targets, m = room[:m], m * 2
+            spread = _spread(fleet, targets, rem, cur)
             if spread is None:
                 continue
             picks, new = spread
-            t = max(float(new.max()), fleet.max_without([src, *room[:m].tolist()]))
-            c = stay_c - fleet.finish[src] - fleet.finish[room[:m]].sum() + new.sum()
-            options.append((t, float(c), room[:m], picks, new))
+            t = max(float(new.max()), fleet.max_without([src, *targets.tolist()]))
+            c = stay_c - fleet.finish[src] - fleet.finish[targets].sum() + new.sum()
+            options.append((t, float(c), targets, picks, new))
         if not options:
             continue
         t_min = min(stay_t, *(o[0] for o in options))

@@ -27,6 +27,7 @@ staying, i.e. when the predicted gain exceeds the overhead.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -129,13 +130,14 @@ def _deal(profile: Profile, rem: np.ndarray, ctx: np.ndarray,
           k: int) -> tuple[np.ndarray, ...] | None:
     """Sequences dealt longest-first over ``k`` workers, each to the one with the least
     predicted work so far; None when a worker's share exceeds its batch cap."""
-    load, picks = np.zeros(k), [[] for _ in range(k)]
-    work = profile.step_base_s * rem + (profile.step_per_seq_s
-                                        + profile.step_per_ctx_token_s * ctx) * rem
+    picks: list[list[int]] = [[] for _ in range(k)]
+    work = (profile.step_base_s * rem + (profile.step_per_seq_s
+                                         + profile.step_per_ctx_token_s * ctx) * rem).tolist()
+    heap = [(0.0, i) for i in range(k)]  # (predicted work so far, worker)
     for j in np.argsort(-rem, kind="stable").tolist():
-        i = int(np.argmin(load))
-        load[i] += work[j]
+        load, i = heapq.heappop(heap)
         picks[i].append(j)
+        heapq.heappush(heap, (load + work[j], i))
     cap = profile.batch_cap(float(ctx.mean() + rem.mean()))
     if max(len(p) for p in picks) > cap:
         return None
