@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 
-from rlhfless.pipeline.simulate import pat_scenarios, paper_scenarios, run_pat, run_scenario
+from rlhfless.pipeline.simulate import paper_scenarios, pat_scenarios, run_pat, run_scenario
 from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.sim_policy import ELASTIC
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
