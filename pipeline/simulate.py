@@ -69,7 +69,7 @@ PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
     "paper-physical": {"speedup": 1.35, "reduction": 0.448},
     "paper-simulated": {"speedup": 1.23, "reduction": 0.387},
 }
-SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.5, 0.75, 1.0),
+SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0),
           "ewma_alpha": (0.25, 0.5, 0.75, 1.0)}
 PRESETS = {"gsm8k": GSM8K, "reasoning": REASONING, "long-cot": LONG_COT}
 # which published verl step the generation/update split of a scenario is held against
