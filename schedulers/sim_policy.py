@@ -21,7 +21,11 @@ policies the live scheduler calls, so a baseline is a configuration, never a cop
 - learner: the shared-prompt forward (each group's prompt forwarded once in the update and
   the forward-only passes, as ``ops/forward.py`` does) and the forward-only passes (old
   log-probs, reference) run on generation GPUs released while the tail still decodes;
-- whole-step scoring: the scaling score adds the update that follows generation.
+- whole-step scoring: the scaling score adds the update that follows generation;
+- PAT: a node's live workers merged into a higher TP in the generation tail (``sim_pat``).
+
+``VERL_03`` and ``VERL_TUNED`` are the serverful baselines; ``PAPER_MECHANISMS`` is RLHFless's
+four mechanisms; ``ELASTIC`` is everything ours (``ablations()`` builds it step by step).
 """
 
 from __future__ import annotations
