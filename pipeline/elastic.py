@@ -94,7 +94,9 @@ class ElasticGeneration:
         decision = choose_generation_workers(
             pred, self.cfg.n_samples, self.state.throughput, max_workers=self.cfg.gen_workers,
             lambda_cost=self.cfg.lambda_cost, keep_warm=len(warm), assign=assign,
-            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens)
+            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens,
+            # whole-step scoring: the update that follows, on one trainer worker
+            fixed_seconds=self.state.update_seconds, fixed_cost_ws=self.state.update_seconds)
         n = decision.n_workers
         if n > len(warm):
             self.pc.grow("gen", n - len(warm))
