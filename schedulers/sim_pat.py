@@ -37,7 +37,6 @@ class PatEvents:
         self.profiles = {t: prof.variant(tp=t) for t in prof.feasible_tps()
                          if prof.tp <= t <= NODE_GPUS}
         self.n_reconfigurations = 0
-        self.log: list[dict] = []
 
     def run(self) -> None:
         mig = self.mig
@@ -66,8 +65,6 @@ class PatEvents:
                              self.profiles, tp, lambda_cost=self.lambda_cost)
             if choice.tp != tp:
                 self._merge(t, live, choice)
-                self.log.append({"t": t, "workers": len(live), "tp": choice.tp,
-                                 "reason": choice.reason})
 
     def _merge(self, t: float, live: list[str], choice: TpChoice) -> None:
         """Cut ``live`` at ``t``; the ``j``-th new worker runs ``choice.groups[j]`` on the
