@@ -1,13 +1,15 @@
 """Simulator speed and the headline figures, as one JSON line.
 
-    python bench/simulate.py [--iterations 100] [--prompts 1024] [--samples 8] [--gpus 160]
+    python bench/simulate.py [--iterations 50] [--prompts 1024] [--samples 8] [--gpus 160]
 
 Times the simulation of ``--iterations`` iterations of ``--prompts`` x ``--samples`` on
 ``--gpus`` H100s with Llama2-70B (the RLHFless paper's simulated setting) under our full
 elastic policy (length prediction, scaling, assignment, cut-and-migrate), trace generation
 included. Then simulates the paper's two settings (``rlhfless simulate`` without a scenario,
-no sweeps) and reports our speedup and GPU-second reduction vs the verl-like baseline, with
-the paper's figures beside them.
+no sweeps) and reports, per setting, our speedup and GPU-second change vs ``verl-0.3`` (the
+paper's baseline) and ``verl-tuned``, the paper's mechanisms alone, the bound of any
+scheduler given the update, and the paper's figures beside them; and PAT's two settings:
+generation and step time change against the same static TP (TP 1 and 2).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import json
 import time
 
-from rlhfless.pipeline.simulate import paper_scenarios, run_scenario
+from rlhfless.pipeline.simulate import paper_scenarios, pat_scenarios, run_pat, run_scenario
 from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.sim_policy import ELASTIC
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
@@ -26,7 +28,7 @@ from rlhfless.schedulers.workloads import GSM8K, synthetic_trace
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--prompts", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--gpus", type=int, default=160)
@@ -34,25 +36,43 @@ def main(argv: list[str] | None = None) -> int:
     workload = dataclasses.replace(GSM8K, iterations=args.iterations,
                                    batch_prompts=args.prompts, n_samples=args.samples)
     profile = get_profile("Llama2-70B@H100")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     result = simulate(synthetic_trace(workload), profile, ClusterConfig(args.gpus), ELASTIC)
     seconds = time.perf_counter() - started
     summary = result.summary()
     headline = {}
     for sc in paper_scenarios():
-        row = next(r for r in run_scenario(sc, sweeps=False)["table"]
-                   if r["label"] == "rlhfless (ours)")
+        rep = run_scenario(sc, sweeps=False)
+        rows = {r["label"]: r for r in rep["table"]}
+        ours, mech, bound = rows["rlhfless (ours)"], rows["+cut-and-migrate"], rep["bound"]
         headline[sc.name] = {
-            "speedup": round(row["speedup"], 3), "paper_speedup": sc.paper["speedup"],
-            "gpu_s_reduction": round(row["gpu_s_reduction"], 3),
-            "paper_gpu_s_reduction": sc.paper["reduction"]}
+            "speedup": round(ours["speedup"], 3), "paper_speedup": sc.paper["speedup"],
+            "gpu_s_change": round(-ours["gpu_s_reduction"], 3),
+            "paper_gpu_s_change": -sc.paper["reduction"],
+            "paper_mechanisms_speedup": round(mech["speedup"], 3),
+            "paper_mechanisms_gpu_s_change": round(-mech["gpu_s_reduction"], 3),
+            "bound_speedup": round(bound["speedup"], 3),
+            "bound_gpu_s_change": round(-bound["gpu_s_reduction"], 3),
+            "speedup_vs_tuned": round(ours["speedup_tuned"], 3),
+            "gpu_s_change_vs_tuned": round(-ours["gpu_s_reduction_tuned"], 3),
+            "oracle_share": round(ours["gpu_s_reduction"] / rows["oracle"]["gpu_s_reduction"], 3),
+            "baseline_tp": rep["baseline_tp"]}
+    pat = {}
+    for sc in pat_scenarios():
+        rows = {r["tp"]: r for r in run_pat(sc)["rows"]}
+        pat[sc.name] = {f"tp{t}": {"gen_change": round(rows[t]["gen_change"], 3),
+                                   "step_change": round(rows[t]["step_change"], 3)}
+                        for t in (1, 2) if t in rows}
+        pat[sc.name].update({f"paper_{k}": v for k, v in sc.paper.items()})
     print(json.dumps({
         "bench": "simulate", "iterations": args.iterations, "prompts": args.prompts,
         "samples": args.samples, "gpus": args.gpus, "profile": profile.name,
         "policy": ELASTIC.name, "seconds": round(seconds, 2),
         "ms_per_iteration": round(1e3 * seconds / args.iterations, 1),
         "simulated_step_s": round(summary["step_s"], 2),
-        "migrations": summary["migrations"], "headline": headline}))
+        "migrations": summary["migrations"], "headline": headline, "pat": pat,
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "total_cpu_seconds": round(time.process_time() - cpu_started, 1)}))
     return 0
 
 

@@ -31,7 +31,7 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.assignment import assign_by_length
 from rlhfless.schedulers.migration import WorkerProgress, plan_migration
-from rlhfless.schedulers.predictor import LengthPredictor
+from rlhfless.schedulers.predictor import LengthPredictor, remaining_tokens
 from rlhfless.schedulers.scaling import choose_generation_workers, round_robin
 from rlhfless.schedulers.throughput import ThroughputModel
 
@@ -94,7 +94,9 @@ class ElasticGeneration:
         decision = choose_generation_workers(
             pred, self.cfg.n_samples, self.state.throughput, max_workers=self.cfg.gen_workers,
             lambda_cost=self.cfg.lambda_cost, keep_warm=len(warm), assign=assign,
-            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens)
+            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens,
+            # whole-step scoring: the update that follows, on one trainer worker
+            fixed_seconds=self.state.update_seconds, fixed_cost_ws=self.state.update_seconds)
         n = decision.n_workers
         if n > len(warm):
             self.pc.grow("gen", n - len(warm))
@@ -194,8 +196,8 @@ class ElasticGeneration:
         ids = [seq_id(p, s) for p, s in zip(cut.column("prompt_id").to_pylist(),
                                              cut.column("sample_idx").to_pylist())]
         cur = [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
-        rem = [max(1.0, self.pred_max[seq.rsplit("#", 1)[0]] - len(g))
-               for seq, g in zip(ids, partial)]
+        rem = remaining_tokens([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
+                               [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
         moves = [m for m in plan_migration(self.load, self.cfg.tau_migrate,
                                            self.state.throughput,

@@ -3,14 +3,18 @@
     rlhfless simulate [scenario.toml ...] [--out DIR] [--iterations N] [--quick]
     rlhfless simulate scenario.toml --plan (--deadline SECONDS | --budget GPU_S)
 
-Without a scenario file the two settings of the RLHFless paper are simulated: its physical
+Without a scenario file the two settings of the RLHFless paper are simulated, its physical
 testbed (GRPO, Qwen2.5-3B, GSM8K-like lengths, 16 L40S) and its simulated cluster
-(Llama2-70B, 20 x 8 H100). Every scenario runs the verl-like baseline, the RLHFuse-like and
-Oracle baselines, our elastic policy and its ablations on one trace, plus sweeps of tau,
-lambda and the EWMA alpha; the report directory gets ``report.md``, ``results.json`` and PNG
-plots (step time, GPU-seconds, utilisation over time). ``--plan`` searches pool sizes and
-lambda for the cheapest configuration that meets a per-iteration deadline, or the fastest
-one within a per-iteration GPU-second budget.
+(Llama2-70B, 20 x 8 H100), and PAT's two (``run_pat``: static TP against PAT on long
+chain-of-thought lengths, Llama-3.1-8B and Qwen3-14B on 8 H100). Every scenario runs two
+verl baselines (``verl-0.3``: the paper's, with verl 0.3's rollout defaults;
+``verl-tuned``: CUDA graphs, 0.9 of memory, the fastest TP), the RLHFuse-like and Oracle
+baselines, our policy and its ablation chain on one trace, the upper bound of any scheduler
+given the update (``sim_bounds``), plus sweeps of tau, lambda and the EWMA alpha; the report
+directory gets ``report.md``, ``results.json``, ``pat.json`` and PNG plots (step time,
+GPU-seconds, utilisation over time). ``--plan`` searches pool sizes and lambda for the
+cheapest configuration that meets a per-iteration deadline, or the fastest one within a
+per-iteration GPU-second budget.
 
 A scenario file (TOML)::
 
@@ -37,17 +41,27 @@ from typing import Any
 
 import tomllib
 
-from rlhfless.schedulers.profiles import Profile, get_profile, profile_from_run
+from rlhfless.schedulers.profile_fit import profile_from_run
+from rlhfless.schedulers.profiles import Profile, get_profile
+from rlhfless.schedulers.sim_bounds import iteration_bounds
 from rlhfless.schedulers.sim_policy import (
     ELASTIC,
     ORACLE,
     RLHFUSE,
-    VERL,
+    VERL_03,
+    VERL_TUNED,
     PolicyConfig,
     ablations,
 )
 from rlhfless.schedulers.simulator import ClusterConfig, SimResult, simulate
-from rlhfless.schedulers.workloads import GSM8K, REASONING, WorkloadConfig, synthetic_trace
+from rlhfless.schedulers.workloads import (
+    GSM8K,
+    LONG_COT,
+    REASONING,
+    Trace,
+    WorkloadConfig,
+    synthetic_trace,
+)
 
 from .sim_report import write_report
 
@@ -55,9 +69,15 @@ PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
     "paper-physical": {"speedup": 1.35, "reduction": 0.448},
     "paper-simulated": {"speedup": 1.23, "reduction": 0.387},
 }
-SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.5, 0.75, 1.0),
+SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0),
           "ewma_alpha": (0.25, 0.5, 0.75, 1.0)}
-PRESETS = {"gsm8k": GSM8K, "reasoning": REASONING}
+PRESETS = {"gsm8k": GSM8K, "reasoning": REASONING, "long-cot": LONG_COT}
+# which published verl step the generation/update split of a scenario is held against
+# (verl_step_timings research notes; gen share = generation / step, testing excluded)
+CALIBRATION = {"gsm8k": "verl GSM8K GRPO logs, 1024x5, max response 1024: generation 25 % "
+                        "(Qwen2-7B, FSDP2), 34 % (Qwen2-7B GSM8K+MATH), 51 % (deepseek-7B)",
+               "long-cot": "verl DAPO docs, Qwen2.5-Math-7B colocated sync: generation "
+                           "30-50 % at 8-28K responses"}
 
 
 class ScenarioError(ValueError):
@@ -76,6 +96,10 @@ class Scenario:
     paper: dict[str, float] = field(default_factory=dict)
 
     @property
+    def calibration(self) -> str:
+        return CALIBRATION.get(self.workload.name, "none (a custom workload)")
+
+    @property
     def cluster(self) -> ClusterConfig:
         return ClusterConfig(self.gpus, self.train_gpus, self.colocated)
 
@@ -83,7 +107,7 @@ class Scenario:
         return {"name": self.name, "profile": self.profile.to_record(), "gpus": self.gpus,
                 "train_gpus": self.train_gpus, "colocated": self.colocated,
                 "workload": self.workload.to_record(), "policy": self.policy.to_record(),
-                "paper": self.paper}
+                "paper": self.paper, "calibration": self.calibration}
 
 
 def paper_scenarios() -> list[Scenario]:
@@ -93,6 +117,34 @@ def paper_scenarios() -> list[Scenario]:
         Scenario("paper-simulated", get_profile("Llama2-70B@H100"), 160, GSM8K,
                  paper=PAPER["paper-simulated"]),
     ]
+
+
+PAT_PAPER = {"gen_change": -0.346, "step_change": -0.272}  # PAT's headline vs static TP
+
+
+def pat_scenarios() -> list[Scenario]:
+    """PAT's own setting: Llama-3.1-8B and Qwen3-14B on one 8-GPU node, DeepScaleR-like
+    long chain-of-thought lengths."""
+    return [Scenario(f"pat-{m}", get_profile(f"{m}@H100"), 8, LONG_COT, paper=PAT_PAPER)
+            for m in ("Llama3.1-8B", "Qwen3-14B")]
+
+
+def run_pat(sc: Scenario) -> dict[str, Any]:
+    """Static TP (verl-tuned at every TP that fits) against the same with PAT: generation
+    and step seconds, and their change."""
+    trace = synthetic_trace(sc.workload)
+    rows = []
+    for tp in [t for t in sc.profile.feasible_tps(VERL_TUNED.engine) if t <= sc.gpus]:
+        static = simulate(trace, sc.profile, sc.cluster, VERL_TUNED.replace(tp=tp)).summary()
+        pat = simulate(trace, sc.profile, sc.cluster,
+                       VERL_TUNED.replace(tp=tp, pat=True)).summary()
+        rows.append({"tp": tp, "static_gen_s": static["gen_s"], "pat_gen_s": pat["gen_s"],
+                     "static_step_s": static["step_s"], "pat_step_s": pat["step_s"],
+                     "gen_change": pat["gen_s"] / static["gen_s"] - 1,
+                     "step_change": pat["step_s"] / static["step_s"] - 1,
+                     "reconfigurations": pat["reconfigurations"]})
+    best = min(rows, key=lambda r: r["static_step_s"])
+    return {"scenario": sc.to_record(), "rows": rows, "best_static_tp": best["tp"]}
 
 
 def _fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -145,35 +197,78 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: {err}") from err
 
 
-def compare(results: dict[str, SimResult], baseline: str) -> list[dict[str, Any]]:
-    """One row per policy: its summary plus speedup and GPU-s reduction vs ``baseline``."""
-    base = results[baseline].summary()
+def compare(results: dict[str, SimResult], baselines: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per policy: its summary plus, for each ``suffix -> baseline label``, the
+    speedup and GPU-s reduction vs that baseline (``speedup<suffix>``,
+    ``gpu_s_reduction<suffix>``)."""
+    bases = {k: results[v].summary() for k, v in baselines.items()}
     rows = []
     for label, res in results.items():
         s = res.summary()
         s["label"] = label
-        s["speedup"] = base["step_s"] / s["step_s"]
-        s["gpu_s_reduction"] = 1.0 - s["gpu_s"] / base["gpu_s"]
+        for suffix, base in bases.items():
+            s[f"speedup{suffix}"] = base["step_s"] / s["step_s"]
+            s[f"gpu_s_reduction{suffix}"] = 1.0 - s["gpu_s"] / base["gpu_s"]
         rows.append(s)
     return rows
 
 
+def fastest_tp(trace: Trace, sc: Scenario, policy: PolicyConfig,
+               tps: list[int]) -> tuple[PolicyConfig, SimResult]:
+    """``policy`` at the TP (of ``tps``) with the shortest simulated step on ``trace``."""
+    runs = [simulate(trace, sc.profile, sc.cluster, policy.replace(tp=t)) for t in tps]
+    best = min(range(len(runs)), key=lambda i: runs[i].summary()["step_s"])
+    return policy.replace(tp=tps[best]), runs[best]
+
+
+def baselines(trace: Trace, sc: Scenario) -> dict[str, SimResult]:
+    """The two verl baselines: ``verl-0.3`` at its default TP 2 (the fastest TP that fits
+    at half the memory when TP 2 does not) and ``verl-tuned`` at its fastest TP."""
+    tps = [t for t in sc.profile.feasible_tps(VERL_03.engine) if t <= sc.gpus]
+    if not tps:
+        raise ScenarioError(f"{sc.name}: {sc.profile.name} fits no TP <= {sc.gpus} GPUs at "
+                            "verl 0.3's gpu_memory_utilization 0.5")
+    _, old = fastest_tp(trace, sc, VERL_03, [2] if 2 in tps else tps)
+    _, tuned = fastest_tp(trace, sc, VERL_TUNED, [
+        t for t in sc.profile.feasible_tps(VERL_TUNED.engine) if t <= sc.gpus])
+    return {VERL_03.name: old, VERL_TUNED.name: tuned}
+
+
+SUFFIXES = {"": VERL_03.name, "_tuned": VERL_TUNED.name}
+
+
 def run_scenario(sc: Scenario, sweeps: bool = True) -> dict[str, Any]:
-    """Every baseline, ablation and sweep of ``sc`` on one trace; JSON-able rows plus the
-    ``SimResult``s of verl and ours (for plots)."""
+    """Both verl baselines, every other baseline, ablation and sweep of ``sc`` on one trace;
+    JSON-able rows plus the ``SimResult``s of the baselines and ours (for plots)."""
     trace = synthetic_trace(sc.workload)
     ours = sc.policy.replace(name="rlhfless (ours)")
-    policies = [VERL, ours, RLHFUSE, ORACLE, *ablations()]
-    results = {p.name: simulate(trace, sc.profile, sc.cluster, p) for p in policies}
-    out: dict[str, Any] = {"scenario": sc.to_record(),
-                           "table": compare(results, VERL.name), "sweeps": {}}
+    results = baselines(trace, sc)
+    done: dict[tuple, SimResult] = {}  # one simulation per distinct configuration
+    for p in (ours, RLHFUSE, ORACLE.replace(**{k: v for k, v in sc.policy.to_record().items()
+                                                if k not in ("name", "oracle")}), *ablations()):
+        key = tuple(sorted((k, str(v)) for k, v in p.to_record().items() if k != "name"))
+        if key not in done:
+            done[key] = simulate(trace, sc.profile, sc.cluster, p)
+        results[p.name] = done[key]
+    tps = {k: results[k].profile.tp for k in SUFFIXES.values()}
+    out: dict[str, Any] = {"scenario": sc.to_record(), "baseline_tp": tps,
+                           "table": compare(results, SUFFIXES), "sweeps": {}}
+    prof, b0 = results[ours.name].profile, trace.batches[0]
+    bound = iteration_bounds(trace, prof, sc.train_gpus or sc.gpus, prof.batch_cap(
+        float(b0.prompt_tokens.mean() + b0.lengths.mean())))
+    for suffix, label in SUFFIXES.items():
+        base = results[label].summary()
+        bound[f"speedup{suffix}"] = base["step_s"] / bound["step_s"]
+        bound[f"gpu_s_reduction{suffix}"] = 1.0 - bound["gpu_s_per_iteration"] / base[
+            "gpu_s_per_iteration"]
+    out["bound"] = bound
     if sweeps:
-        base = results[VERL.name]
         for key, values in SWEEPS.items():
             runs = {f"{key}={v}": simulate(trace, sc.profile, sc.cluster,
                                            ours.replace(**{key: v})) for v in values}
-            out["sweeps"][key] = compare({VERL.name: base, **runs}, VERL.name)[1:]
-    out["results"] = {VERL.name: results[VERL.name], ours.name: results[ours.name]}
+            out["sweeps"][key] = compare({**{k: results[k] for k in SUFFIXES.values()},
+                                          **runs}, SUFFIXES)[2:]
+    out["results"] = {k: results[k] for k in (*SUFFIXES.values(), ours.name)}
     return out
 
 
@@ -230,10 +325,10 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
                   plan_deadline: float | None = None, plan_budget: float | None = None) -> int:
     """Entry point of ``rlhfless simulate`` (argument parsing lives in ``cli.py``)."""
     scs = [load_scenario(p) for p in scenarios] if scenarios else paper_scenarios()
+    pat_scs = [] if scenarios else pat_scenarios()
     if iterations is not None:
-        scs = [dataclasses.replace(s, workload=dataclasses.replace(s.workload,
-                                                                   iterations=iterations))
-               for s in scs]
+        scs, pat_scs = ([dataclasses.replace(s, workload=dataclasses.replace(
+            s.workload, iterations=iterations)) for s in group] for group in (scs, pat_scs))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan_mode:
@@ -243,7 +338,8 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
             print(f"## plan: {sc.name}\n\n{plan_table(result)}\n")
         return 0
     reports = [run_scenario(sc, sweeps=not quick) for sc in scs]
-    text = write_report(reports, out_dir, plots=plots)
+    pats = [run_pat(sc) for sc in pat_scs]
+    text = write_report(reports, out_dir, plots=plots, pat=pats)
     print(text)
     print(f"\nreport written to {out_dir / 'report.md'}")
     return 0

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .profiles import Profile, profile_from_run
+from .profile_fit import profile_from_run
+from .profiles import Profile
 from .sim_policy import PolicyConfig
 from .simulator import ClusterConfig, simulate
 from .workloads import replay_trace

@@ -9,7 +9,7 @@ decodes the rest inside its own, now larger, batch. For each source ``plan_migra
 - *stay*: nothing moves;
 - *move to one worker*, for every worker with room for the whole tail (the RLHFless case:
   consolidate a tail into a worker that is still decoding, release the source: cheaper);
-- *spread over the m least-loaded workers*, m = 2..``MAX_SPREAD`` (the PAT case: a big tail
+- *spread over the m least-loaded workers*, m = 2, 4, .. ``MAX_SPREAD`` (a big tail
   decoded in several smaller batches: faster), dealt longest-first to whichever target would
   then finish first.
 
@@ -20,8 +20,12 @@ wins; ties stay. A worker that receives sequences is not a source later in the s
 source that moved is not a target, so no sequence moves twice. Sources are visited smallest
 remaining time first, so small tails consolidate into bigger ones.
 
-Simplifications: only recomputation (no KV transfer); targets are warm; the time to cut and
-ship token ids is ignored; step time is the throughput model's, on every worker alike.
+A moved sequence's context reaches its target either as its KV cache (shipped at
+``kv_seconds_per_token``) or by recomputation (a prefill at the model's rate), whichever costs
+less per token; ``Migration.kv`` says which.
+
+Simplifications: targets are warm; the time to cut and ship token ids is ignored; step time
+is the throughput model's, on every worker alike.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class Migration:
     stay_cost_ws: float
     move_cost_ws: float
     reason: str
+    kv: str = "recompute"  # how the context reaches the target: "recompute" or "transfer"
 
     def to_record(self) -> dict[str, Any]:
         """JSON-able record for the run directory's decision log."""
@@ -106,8 +111,10 @@ class Migration:
 class _Fleet:
     """Remaining work of every worker while a plan is built; index i is ``names[i]``."""
 
-    def __init__(self, progress: Mapping[str, WorkerProgress], model: ThroughputModel) -> None:
+    def __init__(self, progress: Mapping[str, WorkerProgress], model: ThroughputModel,
+                 move_s_per_token: float) -> None:
         self.model = model
+        self.move_s_per_token = move_s_per_token  # seconds per received context token
         self.names = list(progress)
         rems = [p.remaining_tokens for p in progress.values()]
         self.mx = np.array([r.max(initial=0.0) for r in rems])  # longest remaining tail
@@ -121,7 +128,7 @@ class _Fleet:
         self, mx: np.ndarray, tot: np.ndarray, pre: np.ndarray, live: np.ndarray
     ) -> np.ndarray:
         """Seconds until a worker with these totals is done (0 when it has nothing)."""
-        t = self.model.prefill_seconds(pre) + self.model.decode_seconds(mx, tot)
+        t = self.move_s_per_token * pre + self.model.decode_seconds(mx, tot)
         return np.where((live > 0) | (pre > 0), t, 0.0)
 
     def max_without(self, exclude: Sequence[int]) -> float:
@@ -138,7 +145,7 @@ def _spread(
     Returns the sequence positions per target and each target's new finish seconds, or None
     when the targets' free slots cannot hold the tail."""
     a, c = fleet.model.step_intercept_s, fleet.model.step_slope_s
-    rate, cap = fleet.model.prefill_tokens_per_s, fleet.model.max_batch
+    per_token, cap = fleet.move_s_per_token, fleet.model.max_batch
     mx, tot = fleet.mx[targets].tolist(), fleet.tot[targets].tolist()
     pre, live = fleet.pre[targets].tolist(), fleet.live[targets].tolist()
     picks: list[list[int]] = [[] for _ in targets]
@@ -149,7 +156,7 @@ def _spread(
                 continue
             m, t_tok = max(mx[i], rem[j]), tot[i] + rem[j]
             steps = m if cap is None else max(m, t_tok / cap)
-            t = (pre[i] + cur[j]) / rate + a * steps + c * t_tok
+            t = (pre[i] + cur[j]) * per_token + a * steps + c * t_tok
             if t < best_t:
                 best, best_t = i, t
         if best < 0:
@@ -175,6 +182,7 @@ def plan_migration(
     model: ThroughputModel,
     *,
     lambda_cost: float = 0.5,
+    kv_seconds_per_token: float | None = None,
 ) -> list[Migration]:
     """Plan which unfinished sequences to cut and where to continue them; pure.
 
@@ -182,14 +190,19 @@ def plan_migration(
     included: they are candidate targets). Only workers whose completion fraction is ``>=
     tau`` and that still have unfinished sequences are sources; a source's whole tail moves
     or none of it does. Times and costs are over all listed workers: time is the last one to
-    finish, cost the sum of their remaining busy seconds. Returns one ``Migration`` per
-    (source, target) pair in planning order; an empty list means everything stays.
+    finish, cost the sum of their remaining busy seconds. ``kv_seconds_per_token``: the
+    time to ship one context token's KV cache between workers (None: no transfer path, so
+    recomputation). Returns one ``Migration`` per (source, target) pair in planning order;
+    an empty list means everything stays.
     """
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"plan_migration: tau={tau!r}; allowed: 0 < tau <= 1")
     if not 0.0 <= lambda_cost <= 1.0:
         raise ValueError(f"plan_migration: lambda_cost={lambda_cost!r}; allowed: [0, 1]")
-    fleet = _Fleet(worker_progress, model)
+    recompute_s = 1.0 / model.prefill_tokens_per_s
+    transfer = kv_seconds_per_token is not None and kv_seconds_per_token < recompute_s
+    fleet = _Fleet(worker_progress, model,
+                   kv_seconds_per_token if transfer else recompute_s)
     progress = list(worker_progress.values())
     sources = [i for i, p in enumerate(progress) if p.seq_ids and p.completion_fraction >= tau]
     sources.sort(key=lambda i: (fleet.finish[i], fleet.names[i]))
@@ -224,14 +237,16 @@ def plan_migration(
         # spread over the m least-loaded workers with a free slot
         room = np.flatnonzero(eligible & (True if cap is None else fleet.live < cap))
         room = room[np.lexsort((fleet.busy[room], fleet.finish[room]))][:MAX_SPREAD]
-        for m in range(2, min(room.size, rem.size) + 1):
-            spread = _spread(fleet, room[:m], rem, cur)
+        m = 2
+        while m <= min(room.size, rem.size):
+            targets, m = room[:m], m * 2
+            spread = _spread(fleet, targets, rem, cur)
             if spread is None:
                 continue
             picks, new = spread
-            t = max(float(new.max()), fleet.max_without([src, *room[:m].tolist()]))
-            c = stay_c - fleet.finish[src] - fleet.finish[room[:m]].sum() + new.sum()
-            options.append((t, float(c), room[:m], picks, new))
+            t = max(float(new.max()), fleet.max_without([src, *targets.tolist()]))
+            c = stay_c - fleet.finish[src] - fleet.finish[targets].sum() + new.sum()
+            options.append((t, float(c), targets, picks, new))
         if not options:
             continue
         t_min = min(stay_t, *(o[0] for o in options))
@@ -264,6 +279,7 @@ def plan_migration(
                 completion_fraction=prog.completion_fraction,
                 stay_seconds=stay_t, move_seconds=float(move_t),
                 stay_cost_ws=stay_c, move_cost_ws=float(move_c), reason=why,
+                kv="transfer" if transfer else "recompute",
             ))
         fleet.mx[src] = fleet.tot[src] = fleet.pre[src] = fleet.finish[src] = 0.0
         fleet.live[src] = 0

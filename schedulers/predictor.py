@@ -241,3 +241,18 @@ class LengthPredictor:
         self._mean, self._max, self._count = mean, mx, count
         self._recent_mean = np.asarray(state["recent_mean"], dtype=np.float64)[-self.window :]
         self._recent_max = np.asarray(state["recent_max"], dtype=np.float64)[-self.window :]
+
+
+def remaining_tokens(pred_max: np.ndarray | float, generated: np.ndarray | float,
+                     cap: float | None = None) -> np.ndarray:
+    """Predicted tokens still to decode for unfinished sequences, conditioned on what each
+    has generated: the group's predicted longest sample minus ``generated`` while it lies
+    ahead; past it, as many again as generated (a sequence that outran its prediction is
+    in the heavy tail, where the expected remainder grows with the time already spent),
+    never beyond the response cap ``cap``; at least 1."""
+    pmax = np.asarray(pred_max, dtype=np.float64)
+    gen = np.asarray(generated, dtype=np.float64)
+    rem = np.where(gen < pmax, pmax - gen, gen)
+    if cap is not None:
+        rem = np.minimum(rem, cap - gen)
+    return np.maximum(rem, 1.0)

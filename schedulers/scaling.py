@@ -8,10 +8,13 @@ for every worker beyond the ``keep_warm`` ones already running), and scores
     C(N) = sum_i T_i                 worker-seconds billed: each worker released when done
     score(N) = lam * T(N) / min_M T(M) + (1 - lam) * C(N) / min_M C(M)
 
-and picks the lowest score (ties go to the smaller ``N``). ``lam = 1`` is the fastest count,
-``lam = 0`` the cheapest; in between lie RLHFless's "sweet spots". C(N) is in worker-seconds;
-multiply by a pool's price per worker-second for money (the normalisation makes the choice
-independent of price).
+and picks the lowest score (ties go to the smaller ``N``). With ``fixed_seconds`` and
+``fixed_cost_ws`` (the reward + update that follow generation, the same for every ``N``) the
+score is over the whole step: ``T(N) + fixed_seconds`` and ``C(N) + fixed_cost_ws``, so a
+generation speed-up is weighed by what it does to the step, not to generation alone.
+``lam = 1`` is the fastest count, ``lam = 0`` the cheapest; in between lie RLHFless's
+"sweet spots". C(N) is in worker-seconds; multiply by a pool's price per worker-second for
+money (the normalisation makes the choice independent of price).
 
 With the default ``assign_by_length`` every candidate is evaluated at once from prefix sums
 over the length ranking (``assignment.balanced_starts``): no per-candidate Python loop, a
@@ -170,6 +173,8 @@ def choose_generation_workers(
     assign: Assign = assign_by_length,
     pred_max_lengths: np.ndarray | None = None,
     prompt_tokens: np.ndarray | float | None = None,
+    fixed_seconds: float = 0.0,
+    fixed_cost_ws: float = 0.0,
 ) -> ScalingDecision:
     """Choose how many generation workers to run this iteration, and what each one gets.
 
@@ -180,7 +185,9 @@ def choose_generation_workers(
     (scalar or [n_groups]; default 0). Candidates are ``min_workers..max_workers``, capped at
     ``n_groups`` since a group is never split. ``keep_warm`` workers are already running and
     pay no cold start. ``assign(pred_lengths, n) -> list of n index arrays`` must partition
-    the groups. Pure: reads ``model``, changes nothing.
+    the groups. ``fixed_seconds`` / ``fixed_cost_ws``: the rest of the step (update), added
+    to every candidate's time and cost before scoring (0: generation alone). Pure: reads
+    ``model``, changes nothing.
     """
     pred = np.asarray(pred_lengths, dtype=np.float64)
     _check("pred_lengths.shape", pred.ndim == 1 and pred.size > 0, pred.shape, "[n_groups >= 1]")
@@ -194,6 +201,8 @@ def choose_generation_workers(
     _check("max_workers", int(max_workers) == max_workers and max_workers >= min_workers,
            max_workers, f"an integer >= min_workers ({min_workers})")
     _check("keep_warm", int(keep_warm) == keep_warm and keep_warm >= 0, keep_warm, "integer >= 0")
+    for key, val in (("fixed_seconds", fixed_seconds), ("fixed_cost_ws", fixed_cost_ws)):
+        _check(key, bool(np.isfinite(val)) and val >= 0, val, "a finite number >= 0")
 
     hi = min(int(max_workers), n_groups)
     ns = np.arange(min(int(min_workers), hi), hi + 1)  # [K]
@@ -209,8 +218,9 @@ def choose_generation_workers(
     t_row = np.where(busy, model.worker_seconds(max_len, n_samples * sum_len, ptoks), 0.0) + cold
     time_s = np.maximum.reduceat(t_row, offsets[:-1])
     cost_ws = np.add.reduceat(t_row, offsets[:-1])
-    t_norm = time_s / time_s.min() if time_s.min() > 0 else np.ones_like(time_s)
-    c_norm = cost_ws / cost_ws.min() if cost_ws.min() > 0 else np.ones_like(cost_ws)
+    step_t, step_c = time_s + fixed_seconds, cost_ws + fixed_cost_ws
+    t_norm = step_t / step_t.min() if step_t.min() > 0 else np.ones_like(step_t)
+    c_norm = step_c / step_c.min() if step_c.min() > 0 else np.ones_like(step_c)
     score = lambda_cost * t_norm + (1.0 - lambda_cost) * c_norm
     best = int(np.argmin(score))
     n_best = int(ns[best])

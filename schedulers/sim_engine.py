@@ -44,6 +44,7 @@ class WorkerRun:
     t_step: np.ndarray  # [S] absolute time at the end of each step
     batch: np.ndarray  # [S] live sequences during each step
     decode_s: np.ndarray  # [S] decode part of each step's seconds (prefill excluded)
+    gpus: int = 1  # GPUs of the worker (its TP)
 
     @property
     def n_steps(self) -> int:
@@ -76,7 +77,7 @@ class WorkerRun:
         k = self.steps_done(t)
         return WorkerRun(self.t0, self.seq, self.start, np.clip(self.end, None, np.maximum(
             k, self.start)), self.done & (self.end <= k), self.ctx0, self.prefill,
-            self.t_step[:k], self.batch[:k], self.decode_s[:k])
+            self.t_step[:k], self.batch[:k], self.decode_s[:k], self.gpus)
 
     def chunks(self, n_chunks: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decode observations for ``ThroughputModel.observe_decode``: the steps split into
@@ -133,7 +134,7 @@ def simulate_run(
     if seq.size == 0:
         empty = np.zeros(0)
         return WorkerRun(t0, seq, seq, seq, np.zeros(0, bool), empty, empty, empty,
-                         np.zeros(0, np.int64), empty)
+                         np.zeros(0, np.int64), empty, profile.tp)
     start = admission_steps(rem, cap)
     end = start + rem
     n_steps = int(end.max())
@@ -148,7 +149,8 @@ def simulate_run(
     prefill_s = prefill_s / profile.prefill_tokens_per_s
     t_step = t0 + np.cumsum(decode_s + prefill_s)
     done = np.ones(seq.size, dtype=bool)
-    return WorkerRun(float(t0), seq, start, end, done, ctx0, prefill, t_step, live, decode_s)
+    return WorkerRun(float(t0), seq, start, end, done, ctx0, prefill, t_step, live, decode_s,
+                     profile.tp)
 
 
 def resume_run(
@@ -159,11 +161,13 @@ def resume_run(
     incoming_ctx: np.ndarray,
     profile: Profile,
     cap: int | None,
+    incoming_prefill: np.ndarray | None = None,
 ) -> WorkerRun:
     """A new run from ``t`` for a worker whose current (uncut) ``run`` stops at ``t``: its
     unfinished sequences continue (live ones first, then its queue), and the migrated
-    sequences join the end of the queue, paying prefill of their whole context
-    (recomputation: no KV cache moves with them)."""
+    sequences join the end of the queue, paying ``incoming_prefill`` prefill tokens each
+    (default: their whole context, recomputed; a KV transfer is charged as the prefill
+    tokens that take as long)."""
     _, generated, admitted = run.state_at(t)
     left = (run.end - run.start) - generated
     keep = left > 0
@@ -172,5 +176,6 @@ def resume_run(
     seq = np.concatenate([run.seq[order], np.asarray(incoming_seq, dtype=np.int64)])
     rem = np.concatenate([left[order], np.asarray(incoming_remaining, dtype=np.int64)])
     ctx = np.concatenate([run.ctx0[order] + generated[order], incoming_ctx])
-    pre = np.concatenate([np.where(admitted[order], 0.0, run.prefill[order]), incoming_ctx])
+    pre = np.concatenate([np.where(admitted[order], 0.0, run.prefill[order]),
+                          incoming_ctx if incoming_prefill is None else incoming_prefill])
     return simulate_run(t, seq, rem, ctx, pre, profile, cap)

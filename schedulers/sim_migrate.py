@@ -6,7 +6,8 @@ RLHFless), or once when ``tau`` of all sequences are done (global, RLHFuse-like)
 event the state of every listed worker is read from its ``WorkerRun`` at that instant and
 handed to the policy as ``WorkerProgress``; the returned ``Migration``s are applied: a source
 is cut and released, each target's run is cut and resumed with the incoming sequences
-queued, their whole context recomputed (``sim_engine.resume_run``).
+queued, their context recomputed or their KV cache shipped, as each ``Migration`` says
+(``sim_engine.resume_run``).
 
 Which workers an event lists (local mode): the worker that reached ``tau``, plus every
 worker still generating whose completion is below ``tau`` (the candidate targets). A worker
@@ -47,7 +48,8 @@ class MigrationEvents:
         self.sinks: set[str] = set()
         self.decided: set[str] = set()
         self.n_migrations = self.n_moved = self.recompute_tokens = 0
-        self._sid: list[str] | None = None
+        self.merged: dict[str, str] = {}  # worker -> the worker whose run holds its GPUs (PAT)
+        self._sid = [str(j) for j in range(length.size)]
 
     # ---- events ----------------------------------------------------------------------------
 
@@ -56,14 +58,13 @@ class MigrationEvents:
         if mode == "none" or len(self.names) < 2:
             return
         tau = self.policy.cfg.tau
-        self._sid = [str(j) for j in range(self.length.size)]
         if mode == "global":
             ft = np.sort(np.concatenate([r.finish_times() for r in self.current.values()]))
             k = math.ceil(tau * ft.size)
             if k < ft.size:
                 t = float(ft[max(k, 1) - 1])
                 listed = [w for w in self.names if self.current[w].t_finish > t]
-                progress = {w: self._progress(w, t)[0] for w in listed}
+                progress = {w: self.progress(w, t)[0] for w in listed}
                 self._apply(t, self.policy.migrate(progress))
             return
         events = []
@@ -78,18 +79,18 @@ class MigrationEvents:
             if w in self.decided or w in self.sinks or self.current[w] is None:
                 continue
             self.decided.add(w)
-            progress = {w: self._progress(w, t)[0]}
+            progress = {w: self.progress(w, t)[0]}
             for v in self.names:
                 run = self.current[v]
                 if v == w or v in self.decided or run is None or run.t_finish <= t:
                     continue
-                prog, completion = self._progress(v, t)
+                prog, completion = self.progress(v, t)
                 if completion < tau:
                     progress[v] = prog
             if len(progress) > 1:
                 self._apply(t, self.policy.migrate(progress))
 
-    def _progress(self, w: str, t: float) -> tuple[WorkerProgress, float]:
+    def progress(self, w: str, t: float) -> tuple[WorkerProgress, float]:
         run = self.current[w]
         fin, generated, _ = run.state_at(t)
         unf = ~fin
@@ -103,7 +104,7 @@ class MigrationEvents:
                               self.prompt[seqs] + gen_total, remaining, busy=run.t0 <= t)
         return prog, prog.completion_fraction
 
-    def _close(self, w: str, t: float) -> WorkerRun:
+    def close(self, w: str, t: float) -> WorkerRun:
         """Cut ``w``'s current run at ``t``, book what it generated, return the cut run."""
         run = self.current[w]
         cut = run.cut(t)
@@ -116,24 +117,30 @@ class MigrationEvents:
         if not plan:
             return
         incoming: dict[str, list[int]] = defaultdict(list)
+        share: dict[str, list[float]] = defaultdict(list)  # prefill tokens per context token
+        transfer = min(1.0, self.profile.kv_transfer_seconds(1.0)
+                       * self.profile.prefill_tokens_per_s)
         for m in plan:
             incoming[m.target].extend(int(s) for s in m.seq_ids)
+            share[m.target].extend([transfer if m.kv == "transfer" else 1.0] * len(m.seq_ids))
             self.n_migrations += 1
             self.n_moved += len(m.seq_ids)
-            self.recompute_tokens += m.recompute_tokens
+            if m.kv == "recompute":
+                self.recompute_tokens += m.recompute_tokens
         for src in {m.source for m in plan}:
-            self._close(src, t)
+            self.close(src, t)
             self.current[src] = None
             self.released[src] = t
             self.decided.add(src)
         for tgt, seqs in incoming.items():
-            old = self._close(tgt, t)
+            old = self.close(tgt, t)
             inc = np.asarray(seqs, dtype=np.int64)
             done = self.done_tokens[inc]
             # the target's own sequences: their tokens so far are booked by _close, and
             # resume_run continues them from ``old``'s state at t
-            self.current[tgt] = resume_run(t, old, inc, self.length[inc] - done,
-                                           self.prompt[inc] + done, self.profile, self.cap)
+            ctx = (self.prompt[inc] + done).astype(np.float64)
+            self.current[tgt] = resume_run(t, old, inc, self.length[inc] - done, ctx,
+                                           self.profile, self.cap, ctx * np.asarray(share[tgt]))
             self.sinks.add(tgt)
 
     # ---- results ---------------------------------------------------------------------------
@@ -146,8 +153,11 @@ class MigrationEvents:
         """When each worker finished its last sequence or was released by a cut."""
         out = {}
         for w in self.names:
-            run = self.current[w]
-            out[w] = self.released[w] if run is None else run.t_finish
+            h = w
+            while h in self.merged:  # PAT: its GPUs serve another worker's run
+                h = self.merged[h]
+            run = self.current[h]
+            out[w] = self.released[h] if run is None else run.t_finish
         return out
 
     def finished_per_worker(self) -> dict[str, int]:

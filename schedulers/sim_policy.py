@@ -15,7 +15,17 @@ policies the live scheduler calls, so a baseline is a configuration, never a cop
 - prefill dedup: each group's prompt prefilled once per worker (and the batch's shared prefix
   once per worker), or every sample prefilled on its own;
 - billing: ``reserved`` (every GPU billed from the run's start to its end, serverful) or
-  ``per_use`` (a worker is billed from its start, cold start included, until it stops).
+  ``per_use`` (a worker is billed from its start, cold start included, until it stops);
+- engine: how the generation engine runs (``profiles.ENGINES``: verl 0.3's defaults, a tuned
+  verl, or our dedicated actors) and an optional TP;
+- learner: the shared-prompt forward (each group's prompt forwarded once in the update and
+  the forward-only passes, as ``ops/forward.py`` does) and the forward-only passes (old
+  log-probs, reference) run on generation GPUs released while the tail still decodes;
+- whole-step scoring: the scaling score adds the update that follows generation;
+- PAT: a node's live workers merged into a higher TP in the generation tail (``sim_pat``).
+
+``VERL_03`` and ``VERL_TUNED`` are the serverful baselines; ``PAPER_MECHANISMS`` is RLHFless's
+four mechanisms; ``ELASTIC`` is everything ours (``ablations()`` builds it step by step).
 """
 
 from __future__ import annotations
@@ -29,8 +39,8 @@ import numpy as np
 
 from .assignment import assign_by_length
 from .migration import Migration, WorkerProgress, plan_migration
-from .predictor import LengthPredictor
-from .profiles import Profile
+from .predictor import LengthPredictor, remaining_tokens
+from .profiles import ENGINES, Profile
 from .scaling import ScalingDecision, choose_generation_workers, round_robin
 from .throughput import ThroughputModel
 from .workloads import Batch
@@ -40,6 +50,7 @@ CHOICES = {
     "scaling": ("elastic", "static"),
     "assignment": ("length", "round_robin", "replay"),
     "migration": ("none", "local", "global"),
+    "engine": tuple(ENGINES),
 }
 
 
@@ -59,6 +70,12 @@ class PolicyConfig:
     oracle: bool = False  # perfect length knowledge instead of the predictor
     keep_alive: str | float = "auto"  # idle seconds before release, or "auto" (see simulator)
     prewarm: bool = True  # start workers a cold start ahead, so it is billed but not waited
+    engine: str = "dedicated"  # generation engine settings (profiles.ENGINES)
+    tp: int | None = None  # generation TP; None: the engine's (else the model's)
+    shared_prompt_forward: bool = False  # learner forwards each group's prompt once
+    tail_forwards: bool = False  # forward-only passes on generation GPUs freed in the tail
+    score_step: bool = False  # scaling scores generation + the update that follows
+    pat: bool = False  # PAT: merge a node's live workers into a higher TP in the tail
 
     def __post_init__(self) -> None:
         for key, allowed in CHOICES.items():
@@ -86,23 +103,34 @@ class PolicyConfig:
         return dataclasses.asdict(self)
 
 
-VERL = PolicyConfig("verl-like", billing="reserved", scaling="static", assignment="round_robin",
-                    dedup=False, migration="none")
-ELASTIC = PolicyConfig("rlhfless (ours)")
-RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
-ORACLE = PolicyConfig("oracle", oracle=True)
+VERL_03 = PolicyConfig("verl-0.3", billing="reserved", scaling="static",
+                       assignment="round_robin", dedup=False, migration="none", engine="verl-0.3")
+VERL_TUNED = VERL_03.replace(name="verl-tuned", engine="verl-tuned")
+VERL = VERL_03  # the RLHFless paper's baseline
 SERVERLESS_BASE = PolicyConfig("serverless base", scaling="static", assignment="round_robin",
                                dedup=False, migration="none")
+# the paper's mechanisms: dedup, assignment, scaling, cut-and-migrate (see ablations())
+PAPER_MECHANISMS = PolicyConfig("rlhfless (paper's mechanisms)")
+ELASTIC = PAPER_MECHANISMS.replace(name="rlhfless (ours)", pat=True, score_step=True,
+                                   shared_prompt_forward=True, tail_forwards=True)
+RLHFUSE = PolicyConfig("rlhfuse-like", assignment="round_robin", migration="global", tau=0.9)
+ORACLE = ELASTIC.replace(name="oracle", oracle=True)
 
 
 def ablations() -> list[PolicyConfig]:
-    """RLHFless's ablation chain on per-use billing: base, +dedup, +assignment, +scaling,
-    +cut-and-migrate (the last is the full elastic policy)."""
+    """The ablation chain on per-use billing: RLHFless's base, +dedup, +assignment, +scaling,
+    +cut-and-migrate (the paper's mechanisms), then ours: +PAT, +shared-prompt forward,
+    +forwards on released generation GPUs, +whole-step scoring (the full policy)."""
     base = SERVERLESS_BASE
     dedup = base.replace(name="+dedup", dedup=True)
     assign = dedup.replace(name="+assignment", assignment="length")
     scale = assign.replace(name="+scaling", scaling="elastic")
-    return [base, dedup, assign, scale, scale.replace(name="+cut-and-migrate", migration="local")]
+    migrate = scale.replace(name="+cut-and-migrate", migration=PAPER_MECHANISMS.migration)
+    pat = migrate.replace(name="+PAT", pat=True)
+    shared = pat.replace(name="+shared-prompt forward", shared_prompt_forward=True)
+    tail = shared.replace(name="+forwards in the tail", tail_forwards=True)
+    return [base, dedup, assign, scale, migrate, pat, shared, tail,
+            tail.replace(name="+whole-step scoring", score_step=True)]
 
 
 def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[Migration]:
@@ -145,11 +173,14 @@ class SimPolicy:
     """The live scheduler's policy objects, driven by the simulator for one run."""
 
     def __init__(self, cfg: PolicyConfig, profile: Profile, pool: int, cap: int,
-                 ctx_hint: float) -> None:
+                 ctx_hint: float, max_response_tokens: int | None = None) -> None:
         self.cfg = cfg
+        self.max_response_tokens = max_response_tokens
         self.pool = int(pool)
         self.cap = int(cap)
         self.engine_prefill_rate = profile.prefill_tokens_per_s  # what the simulated engine does
+        kv_s = profile.kv_transfer_seconds(1.0)
+        self.kv_seconds_per_token = kv_s if np.isfinite(kv_s) else None
         self.predictor = LengthPredictor(alpha=cfg.ewma_alpha)
         # prior: the profile's step model, its context term folded in at a typical context
         self.model = ThroughputModel(
@@ -173,8 +204,11 @@ class SimPolicy:
             return np.maximum(batch.prompt_tokens - batch.shared_prefix_tokens, 0).astype(float)
         return batch.prompt_tokens.astype(np.float64) * batch.n_samples
 
-    def plan(self, batch: Batch, keep_warm: int) -> ScalingDecision:
-        """This iteration's worker count and assignment (``choose_generation_workers``)."""
+    def plan(self, batch: Batch, keep_warm: int, fixed_seconds: float = 0.0,
+             fixed_cost_ws: float = 0.0) -> ScalingDecision:
+        """This iteration's worker count and assignment (``choose_generation_workers``);
+        with ``score_step`` the rest of the step (``fixed_*``: the last update) is scored
+        too."""
         mean, mx = self._pred = self.predictions(batch)
         cfg = self.cfg
         if cfg.assignment == "replay":
@@ -194,20 +228,23 @@ class SimPolicy:
         return choose_generation_workers(
             mean, batch.n_samples, self.model, max_workers=hi, min_workers=lo,
             lambda_cost=cfg.lambda_cost, keep_warm=keep_warm, assign=assign,
-            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch))
+            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch),
+            fixed_seconds=fixed_seconds if cfg.score_step else 0.0,
+            fixed_cost_ws=fixed_cost_ws if cfg.score_step else 0.0)
 
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:
         """Predicted tokens still to decode for unfinished sequences: the truth (oracle), or
-        the group's predicted longest sample minus what was generated, at least 1."""
+        ``predictor.remaining_tokens`` (conditioned on what each has generated)."""
         if self.cfg.oracle or self._pred is None:
             return true_remaining.astype(np.float64)
-        return np.maximum(self._pred[1][group] - generated, 1.0)
+        return remaining_tokens(self._pred[1][group], generated, self.max_response_tokens)
 
     def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
         if self.cfg.migration == "local":
             return plan_migration(progress, self.cfg.tau, self.model,
-                                  lambda_cost=self.cfg.lambda_cost)
+                                  lambda_cost=self.cfg.lambda_cost,
+                                  kv_seconds_per_token=self.kv_seconds_per_token)
         if self.cfg.migration == "global":
             return global_cut(progress, self.cap)
         return []

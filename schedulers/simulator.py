@@ -40,6 +40,7 @@ from .ledger import CostLedger
 from .profiles import Profile
 from .sim_engine import WorkerRun, simulate_run
 from .sim_migrate import MigrationEvents
+from .sim_pat import PatEvents
 from .sim_policy import PolicyConfig, SimPolicy
 from .workloads import Batch, Trace
 
@@ -80,6 +81,9 @@ class IterationResult:
     prefill_tokens: float = 0.0
     pred_mape: float | None = None
     gpu_s: float = 0.0  # GPU-seconds billed inside this iteration's span
+    forward_s: float = 0.0  # learner seconds of forward-only passes (part of the update)
+    tail_forward_gpu_s: float = 0.0  # forward-only GPU-s run on released generation GPUs
+    reconfigurations: int = 0  # PAT merges into a higher TP
 
     @property
     def step_s(self) -> float:
@@ -134,6 +138,7 @@ class SimResult:
             "mean_workers": float(np.mean([i.n_workers for i in its])),
             "cold_starts": int(sum(i.cold_starts for i in its)),
             "migrations": int(sum(i.migrations for i in its)),
+            "reconfigurations": int(sum(i.reconfigurations for i in its)),
             "plan_ms": float(np.mean([i.plan_ms for i in its])),
         }
 
@@ -220,17 +225,21 @@ class Simulator:
                  policy: PolicyConfig, keep_sequences: bool = False) -> None:
         if not trace.batches:
             raise ValueError(f"Simulator: trace {trace.name!r} has no batches")
+        if policy.engine != profile.engine or policy.tp not in (None, profile.tp):
+            profile = profile.variant(policy.engine, policy.tp)
+        self.profile = profile
         self.pool_size = cluster.gpus // profile.tp
         if self.pool_size < 1:
             raise ValueError(f"Simulator: {cluster.gpus} GPUs cannot hold one worker of "
                              f"tp={profile.tp} ({profile.name}); allowed: gpus >= tp")
-        self.trace, self.profile, self.cluster, self.cfg = trace, profile, cluster, policy
+        self.trace, self.cluster, self.cfg = trace, cluster, policy
         self.train_gpus = int(cluster.train_gpus or cluster.gpus)
         first = trace.batches[0]
         self.cap = int(cluster.max_batch or profile.batch_cap(
             float(first.prompt_tokens.mean() + first.lengths.mean())))
         self.policy = SimPolicy(policy, profile, self.pool_size, self.cap, ctx_hint=float(
-            first.prompt_tokens.mean() + 0.5 * first.lengths.mean()))
+            first.prompt_tokens.mean() + 0.5 * first.lengths.mean()),
+            max_response_tokens=trace.max_response_tokens)
         price = profile.price_per_gpu_s
         self.gpus = {"gen": profile.tp, "train": self.train_gpus}
         self.ledger = CostLedger({p: g * price for p, g in self.gpus.items()})
@@ -274,7 +283,9 @@ class Simulator:
         self.gen.expire(t)
         n_warm = len(self.gen.awake)
         started = time.perf_counter()
-        decision = self.policy.plan(batch, keep_warm=n_warm)
+        post = self._post_gen_s or 0.0  # the last reward + update: the rest of the step
+        decision = self.policy.plan(batch, keep_warm=n_warm, fixed_seconds=post,
+                                    fixed_cost_ws=post * self.train_gpus / prof.tp)
         plan_ms = 1e3 * (time.perf_counter() - started)
         n_workers = decision.n_workers
         t_gen = t + prof.iteration_overhead_s
@@ -301,6 +312,9 @@ class Simulator:
                                       prompt[seqs], pre, prof, self.cap)
         mig = MigrationEvents(self.policy, prof, self.cap, batch, runs, length, prompt)
         mig.run()
+        pat = PatEvents(mig, 1.0 if self.reserved else cfg.lambda_cost)
+        if cfg.pat:
+            pat.run()
         finish = mig.finish_times()
         gen_end = max(finish.values())
         n_done = mig.finished_per_worker()
@@ -311,8 +325,12 @@ class Simulator:
             (name, update_start, _), = self.learner.take(
                 1, reward_end, prof.train_start_seconds(self.train_gpus, cold=True),
                 prof.train_start_seconds(self.train_gpus, cold=False), cfg.prewarm)
-        tokens = float(length.sum() + prompt.sum())
-        update_end = update_start + prof.update_seconds(tokens, self.train_gpus)
+        tokens = float(length.sum() + (batch.prompt_tokens.sum() if cfg.shared_prompt_forward
+                                       else prompt.sum()))
+        forward_gpu_s = prof.forward_seconds(tokens, 1)
+        finish, in_tail = self._tail_forwards(finish, mig, forward_gpu_s, gen_end)
+        forward_s = (forward_gpu_s - in_tail) / self.train_gpus
+        update_end = update_start + forward_s + prof.update_seconds(tokens, self.train_gpus)
         if not self.reserved:
             wake = prof.train_start_seconds(self.train_gpus, cold=False)
             self.learner.awake[name] = (update_end, self._expiry(
@@ -320,10 +338,13 @@ class Simulator:
         post_gen = self._post_gen_s if self._post_gen_s is not None else update_end - gen_end
         next_use = t_gen + decision.predicted_seconds + post_gen
         for name, f in finish.items():
-            self.gen.awake[name] = (f, self._expiry(f, next_use, prof.gen_wake_s))
+            # the update cannot start before this worker is done: the next use is at least
+            # the reward + update time after its release
+            self.gen.awake[name] = (f, self._expiry(f, max(next_use, f + post_gen),
+                                                    prof.gen_wake_s))
         self._post_gen_s = update_end - gen_end
         all_runs = mig.all_runs()
-        self.busy.extend((r.t0, r.t_finish, prof.tp) for r in all_runs if r.n_steps)
+        self.busy.extend((r.t0, r.t_finish, r.gpus) for r in all_runs if r.n_steps)
         self.busy.append((update_start, update_end, self.train_gpus))
         for stage, a, b in (("plan", t, t_gen), ("generate", t_gen, gen_end),
                             ("reward", gen_end, reward_end), ("update", update_start, update_end)):
@@ -341,9 +362,39 @@ class Simulator:
             migrations=mig.n_migrations, moved_sequences=mig.n_moved,
             recompute_tokens=mig.recompute_tokens, decode_tokens=int(length.sum()),
             prefill_tokens=float(sum(r.prefill.sum() for r in all_runs)),
-            pred_mape=error.get("mape"))
+            pred_mape=error.get("mape"), forward_s=forward_s, tail_forward_gpu_s=in_tail,
+            reconfigurations=pat.n_reconfigurations)
         self.results.append(res)
         return res
+
+    def _tail_forwards(self, finish: dict[str, float], mig: MigrationEvents, work_gpu_s: float,
+                       gen_end: float) -> tuple[dict[str, float], float]:
+        """Forward-only passes on generation GPUs released before ``gen_end`` (policy
+        ``tail_forwards``). A released worker loads the reference weights from host memory
+        (a wake's transfer), then forwards finished sequences until ``gen_end``; only the
+        work of sequences finished before the last worker's release is eligible. Returns
+        each worker's new release time (it stays billed while it forwards) and the GPU-s
+        done there."""
+        if not self.cfg.tail_forwards or work_gpu_s <= 0 or len(finish) < 2:
+            return finish, 0.0
+        prof = self.profile
+        ends = np.concatenate([r.finish_times() for r in mig.all_runs()])
+        ends = ends[np.isfinite(ends)]
+        second_last = sorted(finish.values())[-2]
+        eligible = work_gpu_s * float(np.mean(ends <= second_last)) if ends.size else 0.0
+        load = prof.gen_wake_s
+        window = {w: max(gen_end - f - load, 0.0) * prof.tp for w, f in finish.items()}
+        total = sum(window.values())
+        done = min(eligible, total)
+        if done <= 0:
+            return finish, 0.0
+        out = {}
+        for w, f in finish.items():
+            used = done * window[w] / total
+            out[w] = f + load + used / prof.tp if used > 0 else f
+            if used > 0:
+                self.busy.append((f, out[w], prof.tp))
+        return out, done
 
     def run(self) -> SimResult:
         for batch in self.trace.batches:

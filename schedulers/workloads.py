@@ -15,6 +15,11 @@ across the policies being compared (RLHFless's trace-replay baseline does the sa
   reports about 70 %); if group sampling noise alone already exceeds the target, there is no
   drift (check with ``drift_stats``);
 - an optional global trend multiplies lengths by ``trend_per_epoch`` every epoch;
+- a fraction ``long_prompt_frac`` of the prompts run long *persistently* (every epoch): their
+  latent mean is ``long_prompt_factor`` times larger, so the same few prompts make the tail
+  again and again, as in real runs;
+- a truncation mass: each sample runs to the cap with probability ``clip_ratio`` (the clip
+  ratio verl logs), on top of the draws that exceed the cap by themselves;
 - lengths are rounded, at least 1 and at most ``max_response_tokens`` (the cap).
 
 Prompts are drawn like the training loop's sampler: a seeded permutation of the dataset per
@@ -101,6 +106,9 @@ class WorkloadConfig:
     prompt_p99: float = 400.0
     max_prompt_tokens: int = 1024
     shared_prefix_tokens: int = 0  # e.g. a system prompt or few-shot template
+    long_prompt_frac: float = 0.0  # prompts with a persistent tendency to run long
+    long_prompt_factor: float = 1.0  # how much longer their responses are
+    clip_ratio: float = 0.0  # probability that a sample runs to the cap (truncated)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,15 +124,28 @@ class WorkloadConfig:
         if not (self.group_cv >= 0 and 0 < self.drift_under_50 <= 1 and self.trend_per_epoch > 0):
             raise ValueError(f"{where}: need group_cv >= 0, 0 < drift_under_50 <= 1, "
                              "trend_per_epoch > 0")
+        if not (0 <= self.long_prompt_frac <= 1 and self.long_prompt_factor >= 1
+                and 0 <= self.clip_ratio <= 1):
+            raise ValueError(f"{where}: need 0 <= long_prompt_frac <= 1, long_prompt_factor "
+                             ">= 1 and 0 <= clip_ratio <= 1")
 
     def to_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-GSM8K = WorkloadConfig()
+# GSM8K GRPO (verl logs, research notes): 7B runs clip <= 0.2 % at a 1,024 cap; a few
+# prompts run long every epoch (2 % at 2.5x: [assumption], the shape the issue describes).
+GSM8K = WorkloadConfig(long_prompt_frac=0.02, long_prompt_factor=2.5, clip_ratio=0.002)
 REASONING = WorkloadConfig(name="reasoning", dataset_prompts=40315, response_p50=500.0,
                            response_p99=5000.0, group_cv=0.3, max_response_tokens=8192,
                            prompt_p50=120.0, prompt_p99=600.0)
+# Long chain-of-thought, DeepScaleR-like (PAT's workload): 8K cap, average response 3.5-5.5K
+# in DeepScaleR's 8K phase (p50 2,800 and p99 12,000 before the cap: ~5 % truncated), 128
+# prompts x 8 samples; a 1,024-prompt subset so that three epochs fit in 24 iterations.
+LONG_COT = WorkloadConfig(name="long-cot", dataset_prompts=1024, batch_prompts=128,
+                          iterations=24, response_p50=2800.0, response_p99=12000.0,
+                          max_response_tokens=8192, prompt_p50=120.0, prompt_p99=400.0,
+                          long_prompt_frac=0.02, long_prompt_factor=1.5, clip_ratio=0.01)
 
 
 def _sigmas(cfg: WorkloadConfig) -> tuple[float, float]:
@@ -174,6 +195,8 @@ def synthetic_trace(cfg: WorkloadConfig) -> Trace:
     prompt_len = np.clip(np.rint(cfg.prompt_p50 * np.exp(s_prompt * rng.standard_normal(
         cfg.dataset_prompts))), max(cfg.shared_prefix_tokens, 1), cfg.max_prompt_tokens)
     ids = np.array([f"p{i}" for i in range(cfg.dataset_prompts)])
+    long = np.where(rng.random(cfg.dataset_prompts) < cfg.long_prompt_frac,
+                    np.log(cfg.long_prompt_factor), 0.0)  # persistent, per prompt
     batches, position = [], 0
     for it in range(1, cfg.iterations + 1):
         rows, epochs = [], []
@@ -186,8 +209,9 @@ def synthetic_trace(cfg: WorkloadConfig) -> Trace:
             position += take
         rows_a, ep = np.asarray(rows), np.asarray(epochs)
         mu = (np.log(cfg.response_p50) + s_p * z[ep, rows_a]
-              + ep * np.log(cfg.trend_per_epoch))
+              + ep * np.log(cfg.trend_per_epoch) + long[rows_a])
         draws = np.exp(mu[:, None] + s_w * rng.standard_normal((rows_a.size, cfg.n_samples)))
+        draws[rng.random(draws.shape) < cfg.clip_ratio] = cfg.max_response_tokens
         lengths = np.clip(np.rint(draws), 1, cfg.max_response_tokens).astype(np.int64)
         batches.append(Batch(it, ids[rows_a], prompt_len[rows_a].astype(np.int64), lengths,
                              cfg.shared_prefix_tokens))
@@ -197,7 +221,8 @@ def synthetic_trace(cfg: WorkloadConfig) -> Trace:
 
 def drift_stats(trace: Trace) -> dict[str, float]:
     """Per-prompt change of mean response length between consecutive appearances: the
-    fraction under 50 tokens, and pooled sample-length p50 / p99 / max."""
+    fraction under 50 tokens, and pooled sample-length p50 / p99 / max and the fraction of
+    samples at the cap."""
     last: dict[str, float] = {}
     changes = []
     for b in trace.batches:
@@ -208,12 +233,14 @@ def drift_stats(trace: Trace) -> dict[str, float]:
             last[pid] = m
     pooled = np.concatenate([b.lengths.ravel() for b in trace.batches])
     ch = np.asarray(changes)
+    cap = trace.max_response_tokens
     return {
         "frac_change_under_50": float(np.mean(ch < 50)) if ch.size else float("nan"),
         "n_changes": int(ch.size),
         "p50": float(np.percentile(pooled, 50)),
         "p99": float(np.percentile(pooled, 99)),
         "max": float(pooled.max()),
+        "clip_ratio": float(np.mean(pooled >= cap)),
     }
 
 

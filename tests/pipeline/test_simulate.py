@@ -27,9 +27,11 @@ def test_simulate_writes_report_and_prints_headline(tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["simulate", "--quick", "--iterations", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "speedup (paper)" in text and "1.35x" in text and "38.7%" in text
+    assert "speedup vs verl-0.3" in text and "1.35x" in text and "-38.7%" in text
     report = (out / "report.md").read_text()
-    assert "rlhfuse-like" in report and "+cut-and-migrate" in report and "oracle" in report
+    for row in ("rlhfuse-like", "+cut-and-migrate", "oracle", "verl-0.3", "verl-tuned",
+                "+shared-prompt forward", "+forwards in the tail", "upper bound"):
+        assert row in report, row
     results = json.loads((out / "results.json").read_text())
     assert [r["scenario"]["name"] for r in results] == ["paper-physical", "paper-simulated"]
     pytest.importorskip("matplotlib")

@@ -123,3 +123,14 @@ def test_plans_are_safe(fleet, tau, lam, slope, cap):
         for t in targets:
             received = sum(len(m.seq_ids) for m in plan if m.target == t)
             assert len(fleet[t].seq_ids) + received <= cap
+
+
+def test_kv_transfer_replaces_recomputation_when_cheaper():
+    recompute = plan_migration(consolidation_fleet(), 0.7, model(), lambda_cost=0.5)
+    shipped = plan_migration(consolidation_fleet(), 0.7, model(), lambda_cost=0.5,
+                             kv_seconds_per_token=1e-6)
+    assert recompute[0].kv == "recompute" and shipped[0].kv == "transfer"
+    # B receives 600 context tokens: 0.03 s recomputed, 0.0006 s shipped
+    assert shipped[0].move_seconds == pytest.approx(recompute[0].move_seconds - 0.03 + 6e-4)
+    slow = plan_migration(consolidation_fleet(), 0.7, model(), kv_seconds_per_token=1.0)
+    assert slow[0].kv == "recompute"  # a slower link than the prefill is never used

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfless.schedulers.predictor import LengthPredictor
+from rlhfless.schedulers.predictor import LengthPredictor, remaining_tokens
 
 
 def test_ewma_of_group_mean_and_max_by_hand():
@@ -128,3 +128,10 @@ def test_matches_a_plain_python_reference(alpha, rounds):
     keys = sorted(ref_mean)
     np.testing.assert_allclose(p.predict(keys), [ref_mean[k] for k in keys], atol=1e-9)
     np.testing.assert_allclose(p.predict_max(keys), [ref_max[k] for k in keys], atol=1e-9)
+
+
+def test_remaining_tokens_are_conditioned_on_what_was_generated():
+    rem = remaining_tokens([300, 300, 300, 300], [100, 299, 400, 1900], cap=2048)
+    # ahead of the prediction: the rest of it; past it: as many again, within the cap
+    np.testing.assert_array_equal(rem, [200, 1, 400, 148])
+    assert remaining_tokens(10, 10)[()] == 10.0

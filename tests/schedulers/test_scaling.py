@@ -139,3 +139,23 @@ def test_bad_inputs_say_what_is_allowed():
     with pytest.raises(ValueError, match="exactly once"):
         choose_generation_workers(np.ones(3), 1, m, max_workers=2, lambda_cost=0,
                                   assign=lambda p, k: [np.arange(3)] * k)
+
+
+def test_whole_step_scoring_weighs_generation_against_the_update():
+    rng = np.random.default_rng(3)
+    pred = rng.lognormal(5.5, 0.6, 256)
+    model = ThroughputModel(max_batch=256, cold_start_s=5.0)
+    kw = dict(max_workers=32, lambda_cost=0.5, prompt_tokens=200.0)
+    gen_only = choose_generation_workers(pred, 8, model, **kw)
+    same = choose_generation_workers(pred, 8, model, fixed_seconds=0.0, fixed_cost_ws=0.0, **kw)
+    assert same.n_workers == gen_only.n_workers
+    # a long update makes generation time a small part of the step: cost decides more
+    slow_update = choose_generation_workers(pred, 8, model, fixed_seconds=1e4, **kw)
+    # a costly update makes generation cost a small part: time decides more
+    big_learner = choose_generation_workers(pred, 8, model, fixed_cost_ws=1e6, **kw)
+    assert slow_update.n_workers <= gen_only.n_workers <= big_learner.n_workers
+    assert slow_update.n_workers < big_learner.n_workers
+    assert slow_update.predicted_seconds == pytest.approx(
+        slow_update.time_s[slow_update.n_workers - 1])  # predictions stay generation-only
+    with pytest.raises(ValueError, match="fixed_seconds"):
+        choose_generation_workers(pred, 8, model, fixed_seconds=-1.0, **kw)

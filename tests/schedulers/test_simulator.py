@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.sim_bounds import iteration_bounds
 from rlhfless.schedulers.sim_policy import (
     ELASTIC,
     ORACLE,
@@ -70,7 +71,7 @@ def test_ledger_is_consistent(trace, policy):
 
 
 def test_static_vs_elastic_sanity(trace):
-    verl = simulate(trace, PROFILE, CLUSTER, VERL).summary()
+    verl = simulate(trace, PROFILE, CLUSTER, VERL.replace(engine="dedicated")).summary()
     base = simulate(trace, PROFILE, CLUSTER, SERVERLESS_BASE).summary()
     cheap = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(lambda_cost=0.0)).summary()
     fast = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(lambda_cost=1.0)).summary()
@@ -79,7 +80,7 @@ def test_static_vs_elastic_sanity(trace):
     # one-off start-up) per-use billing is cheaper
     assert base["step_s"] == pytest.approx(verl["step_s"], rel=0.05)
     steady = {p.name: sum(i.gpu_s for i in simulate(trace, PROFILE, CLUSTER, p).iterations[1:])
-              for p in (VERL, SERVERLESS_BASE)}
+              for p in (VERL.replace(engine="dedicated"), SERVERLESS_BASE)}
     assert steady[SERVERLESS_BASE.name] < steady[VERL.name]
     assert cheap["mean_workers"] < fast["mean_workers"] <= CLUSTER.gpus
     assert cheap["gpu_s"] < base["gpu_s"] and cheap["step_s"] > fast["step_s"]
@@ -93,7 +94,7 @@ def test_equal_lengths_match_hand_computation():
     trace = Trace("flat", [batch], n, 1024)
     prof = PROFILE.replace(step_per_ctx_token_s=0.0, iteration_overhead_s=0.0,
                            reward_s_per_sample=0.0)
-    res = simulate(trace, prof, ClusterConfig(gpus=2), VERL)
+    res = simulate(trace, prof, ClusterConfig(gpus=2), VERL.replace(engine="dedicated"))
     it = res.iterations[0]
     b = g * n // 2  # sequences per worker, all live for every step
     decode = length * (prof.step_base_s + prof.step_per_seq_s * b)
@@ -101,7 +102,9 @@ def test_equal_lengths_match_hand_computation():
     assert it.gen_s == pytest.approx(prof.gen_wake_s + prof.sync_s + prefill + decode)
     tokens = g * n * (length + prompt)
     assert it.update_s == pytest.approx(prof.update_overhead_s + tokens / (
-        prof.update_tokens_per_s_per_gpu * 2))
+        prof.update_tokens_per_s_per_gpu * 2) + 2 * tokens / (
+        prof.forward_tokens_per_s_per_gpu * 2))  # old log-prob + reference forwards
+    assert it.forward_s == pytest.approx(tokens / prof.forward_tokens_per_s_per_gpu)
 
 
 def test_all_baselines_and_ablations_run(trace):
@@ -135,3 +138,31 @@ def test_keep_alive_and_prewarm(trace):
     waited = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive=0.0, prewarm=False))
     for a, b in zip(slept.iterations[1:], waited.iterations[1:], strict=True):
         assert b.gen_s == pytest.approx(a.gen_s + PROFILE.gen_wake_s)
+
+
+def test_no_policy_beats_the_upper_bound(trace):
+    cap = PROFILE.batch_cap(float(trace.batches[0].prompt_tokens.mean()
+                                  + trace.batches[0].lengths.mean()))
+    bound = iteration_bounds(trace, PROFILE, CLUSTER.gpus, cap)
+    for policy in (ELASTIC, ORACLE, ELASTIC.replace(lambda_cost=0.0), *ablations()):
+        s = simulate(trace, PROFILE, CLUSTER, policy).summary()
+        assert s["step_s"] > bound["step_s"], policy.name
+        assert s["gpu_s_per_iteration"] > bound["gpu_s_per_iteration"], policy.name
+
+
+def test_learner_rows_shorten_the_update_and_keep_the_forward_work(trace):
+    plain = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(
+        shared_prompt_forward=False, tail_forwards=False))
+    shared = simulate(trace, PROFILE, CLUSTER, ELASTIC.replace(tail_forwards=False))
+    tail = simulate(trace, PROFILE, CLUSTER, ELASTIC)
+    for a, b, c, batch in zip(plain.iterations, shared.iterations, tail.iterations,
+                              trace.batches, strict=True):
+        # each group's prompt forwarded once instead of n times
+        saved = (batch.n_samples - 1) * batch.prompt_tokens.sum()
+        assert a.forward_s - b.forward_s == pytest.approx(
+            saved * 2 / (PROFILE.forward_tokens_per_s_per_gpu * CLUSTER.gpus))
+        # forwards moved to released generation GPUs: the same GPU-s of work, split
+        total = PROFILE.forward_seconds(batch.lengths.sum() + batch.prompt_tokens.sum(), 1)
+        assert c.forward_s * CLUSTER.gpus + c.tail_forward_gpu_s == pytest.approx(total)
+    assert tail.summary()["update_s"] < shared.summary()["update_s"] < plain.summary()[
+        "update_s"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rlhfless.schedulers.profile_fit import profile_from_run
 from rlhfless.schedulers.profiles import (
     H100,
     L40S,
@@ -16,7 +17,6 @@ from rlhfless.schedulers.profiles import (
     QWEN25_3B,
     derive_profile,
     get_profile,
-    profile_from_run,
 )
 from rlhfless.schedulers.workloads import (
     GSM8K,
@@ -91,3 +91,40 @@ def test_profile_fitted_from_the_recorded_run():
     assert p.update_tokens_per_s_per_gpu > 0 and p.iteration_overhead_s >= 0
     with pytest.raises(ValueError, match="no iterations to fit"):
         profile_from_run(RUN, fit_iterations=[999])
+
+
+def test_engine_variants_follow_verl_defaults_and_keep_overrides():
+    p = get_profile("Qwen2.5-3B@L40S")
+    old = p.variant("verl-0.3")
+    assert old.tp == 2 and old.engine == "verl-0.3"
+    # eager: every step 90/65 of the graph-captured one; half the memory for the KV cache
+    graphs = p.variant("dedicated", tp=2)
+    assert old.step_base_s == pytest.approx(graphs.step_base_s * 90 / 65)
+    assert old.kv_capacity_tokens < graphs.kv_capacity_tokens
+    assert graphs.step_base_s < p.step_base_s  # weights split over 2 GPUs...
+    assert graphs.step_base_s > p.step_base_s / 2  # ...plus two all-reduces per layer
+    # learner: update 8N and forward-only 2N FLOPs per token, two forward passes
+    assert p.update_tokens_per_s_per_gpu * 4 == pytest.approx(p.forward_tokens_per_s_per_gpu)
+    assert p.learner_forward_passes == 2
+    tweaked = p.replace(gen_cold_start_s=99.0).variant("verl-0.3")
+    assert tweaked.gen_cold_start_s == 99.0 and tweaked.tp == 2
+    big = get_profile("Llama2-70B@H100")
+    assert big.feasible_tps("verl-0.3") == [4, 8]  # TP 2 does not fit at half the memory
+    fitted = profile_from_run(RUN)
+    assert fitted.variant("verl-0.3", tp=4) is fitted  # measured: no variants
+
+
+def test_truncation_mass_and_persistent_long_prompts():
+    cfg = dataclasses.replace(GSM8K, dataset_prompts=512, batch_prompts=512, iterations=4,
+                              clip_ratio=0.01, long_prompt_frac=0.05, long_prompt_factor=3.0)
+    trace = synthetic_trace(cfg)
+    stats = drift_stats(trace)
+    assert stats["clip_ratio"] == pytest.approx(0.01, abs=0.004)
+    # the same prompts run long epoch after epoch: top 5 % of one epoch mostly recur
+    top = []
+    for b in trace.batches[:2]:
+        means = dict(zip(b.prompt_ids.tolist(), b.lengths.mean(axis=1).tolist(), strict=True))
+        top.append({p for p, _ in sorted(means.items(), key=lambda kv: -kv[1])[:26]})
+    assert len(top[0] & top[1]) >= 13
+    with pytest.raises(ValueError, match="clip_ratio"):
+        WorkloadConfig(clip_ratio=2.0)

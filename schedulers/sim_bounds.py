@@ -1,0 +1,48 @@
+"""The best any scheduler could do on a trace, given the update: per-iteration lower bounds.
+
+For one batch and a profile (its TP, its learner), whatever the scheduler:
+
+- *time*: the iteration overhead and weight sync, then the longest sequence decoded on its
+  own (a batch of one: every step is the weights read plus that sequence's context), then
+  the update of the shared-prompt token count with every forward-only pass hidden (run on
+  released generation GPUs while the tail decodes);
+- *GPU-seconds*: every decode token at a full engine batch (the weights read once per
+  ``cap`` sequences), each group's prompt prefilled once, plus the learner's update and
+  forward passes (the same work wherever it runs).
+
+The bounds ignore cold starts, wakes and reward time (a scheduler can hide them), so no
+simulated policy reaches them; the report prints them beside the policies as the ceiling
+of what scheduling can buy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .profiles import Profile
+from .workloads import Trace
+
+
+def iteration_bounds(trace: Trace, profile: Profile, train_gpus: int,
+                     cap: int) -> dict[str, float]:
+    """Mean step seconds and GPU-seconds per iteration no scheduler can beat on ``trace``."""
+    steps, gpu_s = [], []
+    for b in trace.batches:
+        lengths = b.lengths.astype(np.float64)
+        prompts = b.prompt_tokens.astype(np.float64)
+        g = int(np.argmax(lengths.max(axis=1)))
+        longest, p = float(lengths[g].max()), float(prompts[g])
+        ctx_sum = longest * p + longest * (longest - 1) / 2  # context over its steps
+        gen_lb = (p / profile.prefill_tokens_per_s + longest * (
+            profile.step_base_s + profile.step_per_seq_s) + profile.step_per_ctx_token_s
+            * ctx_sum)
+        tokens = float(lengths.sum() + prompts.sum())  # prompts once (shared-prompt forward)
+        update = profile.update_seconds(tokens, train_gpus)
+        steps.append(profile.iteration_overhead_s + profile.sync_s + gen_lb + update)
+        ctx_avg = float(np.mean(prompts[:, None] + lengths / 2))
+        per_token = (profile.step_base_s / cap + profile.step_per_seq_s
+                     + profile.step_per_ctx_token_s * ctx_avg) * profile.tp
+        prefill = float(prompts.sum()) / profile.prefill_tokens_per_s * profile.tp
+        learner = (update + profile.forward_seconds(tokens, train_gpus)) * train_gpus
+        gpu_s.append(lengths.sum() * per_token + prefill + learner)
+    return {"step_s": float(np.mean(steps)), "gpu_s_per_iteration": float(np.mean(gpu_s))}
