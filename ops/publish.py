@@ -32,13 +32,19 @@ class WeightsRef:
 
 def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
                     keep: int = 2) -> WeightsRef:
+    return publish_state(model.state_dict(), store, version, keep)
+
+
+def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: int,
+                  keep: int = 2) -> WeightsRef:
+    """``publish_weights`` of a ``state_dict`` (e.g. gathered from sharded ranks)."""
     if keep < 1:
         raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
     final = store / f"v{version}.safetensors"
     tmp = store / f".v{version}.{os.getpid()}.tmp"
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     # tied embeddings share storage; safetensors stores one of them
     seen: dict[int, str] = {}
     for name in list(state):

@@ -31,6 +31,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
     "on_long_prompt": ("error", "truncate", "skip"),
+    "train_parallel": ("fsdp", "ddp"),
 }
 
 
@@ -102,6 +103,8 @@ class Config:
     prices: dict[str, float] = field(default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
+    train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
+    train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
     worker_memory: str = "4GiB"
     scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
     dashboard_address: str = "127.0.0.1:0"
@@ -125,7 +128,7 @@ class Config:
             if value not in allowed:
                 raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
-                    "gen_threads", "train_threads", "epochs", "micro_batch_tokens",
+                    "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens")
         for key in positive:
             if getattr(self, key) < 1:

@@ -101,7 +101,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
         reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads), update,
-                        str(run.weights)),
+                        str(run.weights), world=cfg.train_workers,
+                        parallel=cfg.train_parallel),
     )
 
 
