@@ -139,13 +139,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
-    """The module's whole ``state_dict`` on CPU, gathered tensor by tensor (every rank calls
-    it, in the same order); ranks with ``keep`` false drop each tensor once gathered and get
-    ``{}``."""
+def full_state(model: torch.nn.Module, keep: bool,
+               names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The module's whole ``state_dict`` (only ``names``, if given) on CPU, gathered tensor
+    by tensor (every rank calls it, in the same order); ranks with ``keep`` false drop each
+    tensor once gathered and get ``{}``."""
     out, seen = {}, set()
     for name, t in inner(model).state_dict(keep_vars=True).items():
-        if id(t) in seen:  # tied weights: gathered and stored once
+        if id(t) in seen or names is not None and name not in names:  # tied: once
             continue
         seen.add(id(t))
         whole = full_tensor(t.detach())

@@ -49,6 +49,7 @@ import torch
 import zarr
 from transformers import AutoModelForCausalLM
 
+from rlhfless.ops.lora import adapter_scale, merge_adapters
 from rlhfless.ops.parallel import Ranks
 
 from .zarr_state import (
@@ -122,7 +123,8 @@ def write_trainer(path: str | Path, model: torch.nn.Module,
     rank's, each writing its own rows (``zarr_state.put_trainer_rows``)."""
     if ranks is not None:
         return put_trainer_rows(Path(path), model, optimizer, ranks.rank, ranks.world)
-    group = zarr.open_group(path, mode="r+").create_group("trainer")
+    group = zarr.open_group(path, mode="r+").create_group(
+        "trainer", attributes={"ranks": 1, "lora_scale": adapter_scale(model)})
     tensors = model_tensors(model)
     put_tensors(group.create_group("model"), tensors)
     put_optimizer(group.create_group("optimizer"), model, optimizer)
@@ -325,6 +327,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path,
     tensors = get_tensors(root["trainer/model"])
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    scale = root["trainer"].attrs.get("lora_scale")
+    if scale is not None:  # adapters only: folded into the base weights
+        tensors = merge_adapters(model.state_dict(), tensors, float(scale))
     load_model_tensors(model, tensors, f"checkpoint {checkpoint}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from rlhfless.ops.generate import (
     rollouts_table,
     run_decoding,
 )
+from rlhfless.ops.lora import LoraSpec, trainable_names
 from rlhfless.ops.offpolicy import check_staleness
 from rlhfless.ops.parallel import Ranks, full_state, wrap_model
 from rlhfless.ops.publish import WeightsRef, publish_state, publish_weights, require_version
@@ -59,6 +60,7 @@ class EngineSpec:
     threads: int = 1
     backend: str = "hf"  # generation backend (ops/backend.py): "hf" | "vllm"
     colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
+    lora: LoraSpec | None = None  # LoRA adapters on the model; only they train and move
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ _PAUSED: dict[str, tuple[Decoding, pa.Table, float]] = {}  # chunk key -> paused
 
 def load_engine(spec: EngineSpec) -> Engine:
     """Model (bf16 on CUDA, fp32 on CPU) and tokenizer from a Hugging Face directory."""
-    hf = HFBackend(spec.model_path, spec.device, spec.threads)
+    hf = HFBackend(spec.model_path, spec.device, spec.threads, spec.lora)
     hf.load()
     return Engine(hf.model, hf.tokenizer, 0, hf.load_seconds)
 
@@ -124,7 +126,7 @@ def _generation_engine(spec: EngineSpec,
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
         engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
-                              colocate=spec.colocate)
+                              colocate=spec.colocate, lora=spec.lora)
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds
@@ -290,7 +292,8 @@ def _trainer(spec: TrainSpec) -> dict:
         state = {
             "engine": engine,
             "model": model,
-            "optimizer": torch.optim.AdamW(model.parameters(), lr=params.lr, weight_decay=0.0),
+            "optimizer": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                           lr=params.lr, weight_decay=0.0),
             "ref": ref,
             "cold_start_s": engine.load_seconds,
         }
@@ -349,7 +352,8 @@ def _publish_rank(spec: TrainSpec, version: int) -> WeightsRef | None:
     if ranks is None:
         ref = publish_weights(engine.model, spec.store, version, keep=spec.keep_versions)
     else:
-        whole = full_state(state["model"], keep=ranks.rank == 0)
+        whole = full_state(state["model"], keep=ranks.rank == 0,
+                           names=trainable_names(engine.model))
         ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions)
                if ranks.rank == 0 else None)
     engine.version = version

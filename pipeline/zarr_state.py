@@ -36,6 +36,7 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
+from rlhfless.ops.lora import adapter_scale, frozen_names, trainable_names
 from rlhfless.ops.parallel import inner, is_sharded, local_part, shard_rows
 
 CHUNK_BYTES = 32 << 20  # largest chunk written
@@ -248,10 +249,14 @@ def set_rng(group: zarr.Group) -> None:
 # ---- models and optimizers ---------------------------------------------------------------
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict`` with each shared (tied) tensor once, first name wins."""
+    """The model's ``state_dict`` with each shared (tied) tensor once, first name wins;
+    with frozen parameters (LoRA) only the ones that train."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
+    keep = trainable_names(model)
     for name, tensor in model.state_dict().items():
+        if keep is not None and name not in keep:
+            continue
         ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                  tuple(tensor.shape), tensor.dtype)
         if ident not in seen:
@@ -262,9 +267,10 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_model_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
                        where: str) -> None:
-    """Copy ``tensors`` into ``model``; only tied tensors may be missing, none unexpected."""
+    """Copy ``tensors`` into ``model``; only tied and frozen tensors may be missing, none
+    unexpected."""
     missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
-    tied = set(model.state_dict()) - set(model_tensors(model))
+    tied = set(model.state_dict()) - set(model_tensors(model)) | frozen_names(model)
     if unexpected or set(missing) - tied:
         raise ValueError(f"{where}: missing {sorted(set(missing) - tied)}, "
                          f"unexpected {sorted(unexpected)}")
@@ -416,16 +422,16 @@ def put_trainer_rows(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     sd = optimizer.state_dict()
     names = _optimizer_param_names(module, optimizer)
     if rank == 0:
-        _group_json(trainer, {"ranks": world})
+        _group_json(trainer, {"ranks": world, "lora_scale": adapter_scale(module)})
         _group_json(trainer / "model")
         _group_json(trainer / "optimizer", {
             "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
                              for g in sd["param_groups"]],
             "class": type(optimizer).__name__})
         put_rng(zarr.open_group(trainer / "rng", mode="w", zarr_format=3))
-    n, seen = 0, set()
+    n, seen, keep = 0, set(), trainable_names(module)
     for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:  # tied tensors once, as model_tensors
+        if id(t) not in seen and (keep is None or name in keep):  # as model_tensors
             seen.add(id(t))
             n += put_tensor_rows(trainer / "model" / name, t, rank, world)
     for index, state in sd["state"].items():
@@ -450,11 +456,15 @@ def load_trainer_rows(group: zarr.Group, model: torch.nn.Module,
     for name, t in targets.items():
         aliases.setdefault(id(t), []).append(name)
     found = {i: next((n for n in names if n in stored), None) for i, names in aliases.items()}
-    missing = sorted(names[0] for i, names in aliases.items() if found[i] is None)
+    frozen = frozen_names(module)
+    missing = sorted(names[0] for i, names in aliases.items()
+                     if found[i] is None and not frozen & set(names))
     unexpected = sorted(set(stored) - set(targets))
     if missing or unexpected:
         raise ValueError(f"{where}: missing {missing}, unexpected {unexpected}")
     for i, name in found.items():
+        if name is None:  # frozen: the model directory's
+            continue
         t = targets[aliases[i][0]]
         _copy_rows(t, get_tensor_rows(stored[name], t, rank, world))
     opt = group["optimizer"]
