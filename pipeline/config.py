@@ -32,6 +32,7 @@ CHOICES = {
     "on_bad_row": ("error", "skip"),
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
+    "train_dtype": ("float32", "bfloat16"),
 }
 
 
@@ -105,6 +106,7 @@ class Config:
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
     train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
     train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
+    train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (peft; the lora extra)
     lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
     lora_target_modules: list[str] = field(  # module names that get adapters

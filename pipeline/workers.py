@@ -89,6 +89,7 @@ class TrainSpec:
     max_staleness: int = 0  # oldest sample the update accepts, in versions behind the trainer
     world: int = 1  # trainer ranks (train_workers); > 1: one process group over the pool
     parallel: str = "fsdp"  # world > 1: "fsdp" (FSDP2 shards) | "ddp" (replicas)
+    bf16: bool = False  # mixed precision: bf16 autocast in the update, fp32 weights and Adam
 
 
 @dataclass
@@ -331,9 +332,11 @@ def _update_rank(trainables: list[pa.Table], weights: WeightsRef, spec: TrainSpe
     batch = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
     check_staleness(batch, engine.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
-    metrics = update_policy(state["model"], state["optimizer"], batch, spec.update,
-                            engine.tokenizer.pad_token_id, ref_model=state["ref"],
-                            ranks=_ranks(spec))
+    device = next(engine.model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
+        metrics = update_policy(state["model"], state["optimizer"], batch, spec.update,
+                                engine.tokenizer.pad_token_id, ref_model=state["ref"],
+                                ranks=_ranks(spec))
     metrics["update_seconds"] = time.perf_counter() - started
     metrics["trainer_cold_start_s"] = state.pop("cold_start_s", 0.0)
     return metrics
