@@ -107,6 +107,8 @@ class Config:
     train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
     train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
     train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights
+    gradient_checkpointing: bool = False  # recompute layers in backward: less memory, rows
+    # then run whole (no shared-prompt forward; ops/forward.py)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (peft; the lora extra)
     lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
     lora_target_modules: list[str] = field(  # module names that get adapters

@@ -105,7 +105,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
                         update, str(run.weights), world=cfg.train_workers,
-                        parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16"),
+                        parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
+                        gradient_checkpointing=cfg.gradient_checkpointing),
     )
 
 

@@ -30,6 +30,7 @@ from distributed import get_worker
 
 from rlhfless.ops.advantage import compute_advantages
 from rlhfless.ops.backend import GenerationBackend, HFBackend, make_backend
+from rlhfless.ops.forward import enable_checkpointing
 from rlhfless.ops.generate import (
     Decoding,
     GenerationStats,
@@ -90,6 +91,7 @@ class TrainSpec:
     world: int = 1  # trainer ranks (train_workers); > 1: one process group over the pool
     parallel: str = "fsdp"  # world > 1: "fsdp" (FSDP2 shards) | "ddp" (replicas)
     bf16: bool = False  # mixed precision: bf16 autocast in the update, fp32 weights and Adam
+    gradient_checkpointing: bool = False  # recompute each layer in the backward pass
 
 
 @dataclass
@@ -288,6 +290,8 @@ def _trainer(spec: TrainSpec) -> dict:
         engine = load_engine(spec.engine)
         params = spec.update
         ref = copy.deepcopy(engine.model).eval() if params.kl_coef > 0 else None
+        if spec.gradient_checkpointing:
+            enable_checkpointing(engine.model)
         ranks = _ranks(spec)
         model = engine.model if ranks is None else wrap_model(engine.model, ranks)
         state = {

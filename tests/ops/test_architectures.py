@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from rlhfless.ops.backend import HFBackend
-from rlhfless.ops.forward import response_logprobs
+from rlhfless.ops.forward import enable_checkpointing, response_logprobs
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.lora import LoraSpec, is_adapter
 from rlhfless.ops.parallel import decoder_layers
@@ -85,3 +85,23 @@ def test_architecture_generates_and_trains(model_dir, make_prompts, lora):
         changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
         assert changed and all(is_adapter(k) for k in changed) == lora
         assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+
+
+def test_gradient_checkpointing_gives_the_shared_forwards_gradients(model_dir):
+    """Checkpointed layers run rows whole (no KV cache); same log-probs and gradients."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).train()
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]]
+    responses = [[11, 12, 13], [14], [15, 16, 17, 18, 19]]
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            enable_checkpointing(model)
+        model.zero_grad()
+        logp, mask = response_logprobs(model, prompts, responses, 0, 0.7)
+        logp[mask].sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if not checkpointing:
+            want = logp.detach()
+    torch.testing.assert_close(logp[mask].detach(), want[mask], rtol=1e-5, atol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5)
