@@ -64,7 +64,8 @@ def join_group_task(host: str, port: int, rank: int, members: list[str], backend
     store = _GROUP.pop("store") if rank == 0 else dist.TCPStore(
         host, port, is_master=False, timeout=timeout)
     if backend == "nccl":
-        torch.cuda.set_device(0)  # one GPU per trainer worker (its job's visible device)
+        # one GPU per rank: a job's own visible device, or the rank's on a shared node
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, store=store, rank=rank, world_size=len(members),
                             timeout=timeout)
     _GROUP.update(ranks=Ranks(rank, len(members), parallel), members=list(members),

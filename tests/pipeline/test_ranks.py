@@ -54,17 +54,18 @@ def load(model_dir) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def one_update(model_dir, table: pa.Table, ranked: bool) -> dict:
+def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu") -> dict:
     """One update here (``ranked`` false) or on this rank: metrics, full gradients, weights
-    and AdamW state after the step, gathered."""
+    and AdamW state after the step, gathered (on CPU). ``device``: "cuda" for the NCCL
+    check of bench/gpu_check.sh."""
     ranks = this_rank() if ranked else None
-    model = load(model_dir)
+    model = load(model_dir).to(device)
     wrapped = model if ranks is None else wrap_model(model, ranks)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
     metrics = update_policy(wrapped, optimizer, table, PARAMS, pad_id=0, ranks=ranks)
     named = dict(inner(wrapped).named_parameters())
-    grads = {n: full_tensor(p.grad).clone() for n, p in named.items()}
-    exp_avg = {n: full_tensor(optimizer.state[p]["exp_avg"]).clone() for n, p in named.items()}
+    grads = {n: full_tensor(p.grad).cpu() for n, p in named.items()}
+    exp_avg = {n: full_tensor(optimizer.state[p]["exp_avg"]).cpu() for n, p in named.items()}
     return {"metrics": metrics, "grads": grads, "weights": full_state(wrapped, keep=True),
             "exp_avg": exp_avg}
 
