@@ -94,7 +94,7 @@ def restore_full(model_dir, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def client():
-    with (LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+    with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                        dashboard_address=":0", resources={"TRAIN": 1}) as cluster,
           Client(cluster) as c):
         yield c
@@ -117,7 +117,7 @@ def test_split_rows_keeps_groups_whole_and_balances_tokens():
     assert all(part for part in parts)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
     table = trainable()
     single = one_update(tiny_model_dir, table, ranked=False)
@@ -138,7 +138,7 @@ def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
     assert single["metrics"]["grad_norm"] > 0
 
 
-@pytest.mark.parametrize(("write", "read"), [(2, 1), (1, 2), (2, 3)])
+@pytest.mark.parametrize(("write", "read"), [(2, 1), (1, 2)])
 def test_checkpoint_of_n_ranks_restores_on_m_bitwise(client, tiny_model_dir, tmp_path,
                                                      write, read):
     path = ckpt.begin(tmp_path, 1)
