@@ -88,7 +88,7 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
         fully_shard(model)
         return model
     if ranks.parallel == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        return torch.nn.parallel.DistributedDataParallel(model)
     raise ValueError(f"parallel {ranks.parallel!r}: choose one of {PARALLEL}")
 
 
