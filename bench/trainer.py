@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -137,6 +138,7 @@ def main() -> None:
     lora = Path(publish_weights(model, tmp / "lora", 1).path).stat().st_size
     out["lora"] = {"rank": args.lora_rank, "published_bytes": lora, "full_bytes": full,
                    "ratio": round(lora / full, 4)}
+    shutil.rmtree(tmp)
     print(json.dumps(out))
 
 
