@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .generate import GenerationStats, SamplingParams, generate_rollouts
+from .lora import LoraSpec, add_adapters
 from .publish import WeightsRef, load_weights
 
 BACKENDS = ("hf", "vllm")
@@ -98,8 +99,10 @@ class HFBackend(GenerationBackend):
     ``threads`` (each worker's share of the cores). ``model`` is public: the elastic policy's
     chunked generation (pause at τ, resume or migrate) drives the decode loop directly."""
 
-    def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1) -> None:
+    def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
+                 lora: LoraSpec | None = None) -> None:
         self.model_path, self.device_name, self.threads = str(model_path), device, threads
+        self.lora = lora  # adapters on the model (ops/lora.py); published versions carry them
         self.model: torch.nn.Module | None = None
         self._tokenizer = None
 
@@ -111,6 +114,8 @@ class HFBackend(GenerationBackend):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=dtype).to(device).eval()
+        if self.lora is not None:
+            add_adapters(self.model, self.lora)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.load_seconds = time.perf_counter() - started
 
@@ -146,11 +151,11 @@ class HFBackend(GenerationBackend):
 
 
 def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
-                 colocate: bool = False) -> GenerationBackend:
+                 colocate: bool = False, lora: LoraSpec | None = None) -> GenerationBackend:
     """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
     engine shares its device with the trainer and sleeps between rollouts (vllm)."""
     if name == "hf":
-        return HFBackend(model_path, device, threads)
+        return HFBackend(model_path, device, threads, lora)
     if name == "vllm":
         from .vllm_backend import VLLMBackend  # optional dependency: only when asked for
 

@@ -11,6 +11,12 @@ continues its prompt's KV cache with its response only. Rows run in chunks of si
 response length (``length_chunks``), so that a batch of short and long responses is not
 padded to its longest. Against one forward pass per row, a group of n samples costs one
 prompt instead of n; the log-probabilities are the same.
+
+Under gradient checkpointing (a model in training mode with
+``gradient_checkpointing_enable()``) layers are recomputed in the backward pass, which a KV
+cache filled in the forward pass cannot survive (transformers then drops the cache), so
+``response_logprobs`` runs each row whole, prompt + response, in one padded pass
+(``_whole_rows``): more tokens, far less activation memory.
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     tokens, responses left-aligned; see the module docstring."""
     if not all(prompts) or not all(responses):
         raise ValueError("response_logprobs: every row needs a non-empty prompt and response")
+    if model.training and checkpointing(model):
+        return _whole_rows(model, prompts, responses, pad_id, temperature)
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts],
@@ -133,3 +141,42 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     restore = torch.argsort(torch.tensor(order, device=device))
     lengths = torch.tensor([len(r) for r in responses], device=device)
     return torch.cat(parts)[restore], torch.arange(width, device=device) < lengths[:, None]
+
+
+def enable_checkpointing(model) -> None:
+    """Checkpoint every layer (non-reentrant); transformers >= 5.24 calls it activation
+    checkpointing, earlier releases gradient checkpointing."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+
+
+def checkpointing(model) -> bool:
+    """Whether ``enable_checkpointing`` is on for ``model``."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _whole_rows(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_logprobs`` without a KV cache: every row's prompt + response right-padded
+    in one forward pass."""
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in right_pad([p + r for p, r in zip(prompts, responses)],
+                                                 pad_id))
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask),
+                   use_cache=False).logits
+    width = max(map(len, responses))
+    lengths = torch.tensor([len(r) for r in responses], device=device)
+    scored = torch.arange(width, device=device) < lengths[:, None]  # [B, R]
+    starts = torch.tensor([len(p) for p in prompts], device=device)[:, None]
+    at = (starts + torch.arange(width, device=device)).clamp(max=ids.shape[1] - 1)  # [B, R]
+    token = ids.gather(1, at)
+    logits = logits.gather(1, (at - 1)[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    out = logp.gather(-1, token[..., None]).squeeze(-1)
+    return out.masked_fill(~scored, 0.0), scored

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from .lora import is_adapter, trainable_state
 
 
 @dataclass(frozen=True)
@@ -32,13 +35,20 @@ class WeightsRef:
 
 def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
                     keep: int = 2) -> WeightsRef:
+    """Publish what of ``model`` trains: all weights, or its LoRA adapters only."""
+    return publish_state(trainable_state(model, model.state_dict()), store, version, keep)
+
+
+def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: int,
+                  keep: int = 2) -> WeightsRef:
+    """``publish_weights`` of a ``state_dict`` (e.g. gathered from sharded ranks)."""
     if keep < 1:
         raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
     final = store / f"v{version}.safetensors"
     tmp = store / f".v{version}.{os.getpid()}.tmp"
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     # tied embeddings share storage; safetensors stores one of them
     seen: dict[int, str] = {}
     for name in list(state):
@@ -47,7 +57,8 @@ def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
             del state[name]
         else:
             seen[ptr] = name
-    save_file(state, str(tmp), metadata={"version": str(version)})
+    adapter = bool(state) and all(is_adapter(n) for n in state)
+    save_file(state, str(tmp), metadata={"version": str(version), "adapter": str(int(adapter))})
     os.replace(tmp, final)
     for old in sorted(store.glob("v*.safetensors"), key=_version_of)[:-keep]:
         old.unlink(missing_ok=True)
@@ -64,8 +75,10 @@ def load_weights(model: torch.nn.Module, ref: WeightsRef) -> None:
     if Path(ref.path).is_dir():
         return
     state = load_file(ref.path, device=str(next(model.parameters()).device))
+    with safe_open(ref.path, "pt") as f:
+        adapter = (f.metadata() or {}).get("adapter") == "1"
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
+    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k or adapter}
     if unexpected or set(missing) - tied:
         raise ValueError(
             f"weights {ref.path}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"

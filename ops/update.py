@@ -30,6 +30,15 @@ import torch
 
 from .forward import response_logprobs
 from .offpolicy import clipped_pg
+from .parallel import (
+    Ranks,
+    all_reduce_sum,
+    begin_accumulation,
+    full_tensor,
+    inner,
+    split_rows,
+    sync_gradients,
+)
 from .schema import TRAINABLE, check_columns
 
 
@@ -92,9 +101,14 @@ def _scatter_rows(values: list[list[float]], scored: torch.Tensor) -> torch.Tens
 
 
 def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
-                  params: UpdateParams, pad_id: int, ref_model=None) -> dict:
+                  params: UpdateParams, pad_id: int, ref_model=None,
+                  ranks: Ranks | None = None) -> dict:
     """Run ``params.epochs`` optimizer steps on ``trainable`` (reads ``prompt_ids``,
-    ``response_ids``, ``logprobs``, ``advantage``); returns the step's metrics."""
+    ``response_ids``, ``logprobs``, ``advantage``); returns the step's metrics.
+
+    ``ranks``: ``model`` is wrapped for that process group (``ops/parallel.py``); every rank
+    gets the whole ``trainable``, runs its share of the groups (``split_rows``) and the
+    metrics are the whole batch's."""
     check_columns(trainable, TRAINABLE, "update_policy")
     if params.kl_coef > 0 and ref_model is None:
         raise ValueError("update_policy: kl_coef > 0 needs a reference model")
@@ -111,6 +125,11 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     n_tokens = sum(len(responses[i]) for i in keep)
     if n_tokens == 0:
         raise ValueError("update_policy: the batch has no response tokens")
+    if ranks is not None:  # this rank's groups; the loss still divides by the batch's tokens
+        share = split_rows([prompts[i] for i in keep], [len(responses[i]) for i in keep],
+                           ranks.world)[ranks.rank]
+        keep = [keep[j] for j in share]
+    forward, model = model, inner(model)  # forward passes skip a DDP wrapper
     device = next(model.parameters()).device
     micro = [[keep[j] for j in mb] for mb in pack_micro_batches(
         [prompts[i] for i in keep], [len(responses[i]) for i in keep],
@@ -123,6 +142,8 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     prox: dict[int, torch.Tensor] = {}  # micro-batch -> proximal logprobs [B, T] (epoch 0)
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
+        if ranks is not None:
+            begin_accumulation(forward)
         for k, mb in enumerate(micro):
             mb_prompts, mb_responses = [prompts[i] for i in mb], [responses[i] for i in mb]
             logp, scored = response_logprobs(model, mb_prompts, mb_responses, pad_id,
@@ -142,7 +163,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                 per_token = per_token + params.kl_coef * kl
                 totals["kl"] += kl[scored].sum().item() / n_tokens / params.epochs
             loss = per_token[scored].sum() / n_tokens
-            loss.backward()
+            (loss.backward() if ranks is None else (loss * ranks.loss_scale).backward())
             totals["loss"] += loss.item() / params.epochs
             totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
             for key, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
@@ -150,13 +171,21 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                                ("tis_truncated_frac", terms.truncated)):
                 if key in totals:
                     totals[key] += value[scored].sum().item() / n_tokens / params.epochs
+        if ranks is not None:
+            sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
         optimizer.step()
     model.eval()
-    return totals | {
-        "grad_norm": float(grad_norm),
+    counts = {"micro_batches": len(micro), "forward_tokens": prompt_tokens + n_tokens,
+              "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens}
+    if ranks is not None:  # every rank's share; n_tokens is already the batch's
+        local = {"micro_batches": len(micro), "forward_tokens": prompt_tokens,
+                 "forward_tokens_naive": sum(len(prompts[i]) for i in keep)}
+        summed = all_reduce_sum(totals | local, device)
+        totals = {k: summed[k] for k in totals}
+        counts = {k: int(summed[k]) + (n_tokens if k != "micro_batches" else 0)
+                  for k in local}
+    return totals | counts | {
+        "grad_norm": float(full_tensor(grad_norm)),
         "tokens": n_tokens,
-        "micro_batches": len(micro),
-        "forward_tokens": prompt_tokens + n_tokens,
-        "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens,
     }

@@ -55,15 +55,20 @@ import torch
 import zarr
 from transformers import AutoModelForCausalLM
 
+from rlhfless.ops.lora import adapter_scale, merge_adapters
+from rlhfless.ops.parallel import Ranks
+
 from .zarr_state import (
     get_tensors,
     get_tree,
     load_model_tensors,
     load_optimizer,
+    load_trainer_rows,
     model_tensors,
     put_optimizer,
     put_rng,
     put_tensors,
+    put_trainer_rows,
     put_tree,
     set_rng,
 )
@@ -119,10 +124,14 @@ def begin(root: str | Path, iteration: int) -> Path:
 
 
 def write_trainer(path: str | Path, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer) -> int:
+                  optimizer: torch.optim.Optimizer, ranks: Ranks | None = None) -> int:
     """Write the trainer's weights, optimizer state and RNG under ``path/trainer``; returns
-    the bytes of tensors written. Called in the trainer's process."""
-    group = zarr.open_group(path, mode="r+").create_group("trainer")
+    the bytes of tensors written. Called in the trainer's process; with ``ranks``, in every
+    rank's, each writing its own rows (``zarr_state.put_trainer_rows``)."""
+    if ranks is not None:
+        return put_trainer_rows(Path(path), model, optimizer, ranks.rank, ranks.world)
+    group = zarr.open_group(path, mode="r+").create_group(
+        "trainer", attributes={"ranks": 1, "lora_scale": adapter_scale(model)})
     tensors = model_tensors(model)
     put_tensors(group.create_group("model"), tensors)
     put_optimizer(group.create_group("optimizer"), model, optimizer)
@@ -308,10 +317,16 @@ def open_checkpoint(path: str | Path, content: bool = False) -> zarr.Group:
 
 
 def read_trainer(path: str | Path, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, restore_rng: bool = True) -> int:
+                 optimizer: torch.optim.Optimizer, ranks: Ranks | None = None,
+                 restore_rng: bool = True) -> int:
     """Load weights, optimizer state and (by default) the RNG of the trainer into this
-    process; returns the checkpoint's policy version."""
+    process; returns the checkpoint's policy version. With ``ranks``: this rank's part of a
+    checkpoint written by any number of ranks (and its RNG)."""
     root = open_checkpoint(path)
+    if ranks is not None:
+        load_trainer_rows(root["trainer"], model, optimizer, ranks.rank, ranks.world,
+                          f"checkpoint {path}")
+        return int(root.attrs["policy_version"])
     load_model_tensors(model, get_tensors(root["trainer/model"]), f"checkpoint {path}")
     load_optimizer(root["trainer/optimizer"], model, optimizer)
     if restore_rng:
@@ -351,6 +366,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path,
     tensors = get_tensors(root["trainer/model"])
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    scale = root["trainer"].attrs.get("lora_scale")
+    if scale is not None:  # adapters only: folded into the base weights
+        tensors = merge_adapters(model.state_dict(), tensors, float(scale))
     load_model_tensors(model, tensors, f"checkpoint {checkpoint}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,13 +36,13 @@ class Pool:
 
 
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
-    """The generation pool and the trainer; an elastic pool starts with one worker and
-    grows as the policy decides."""
+    """The generation pool and the trainer (``train_workers`` ranks); an elastic generation
+    pool starts with one worker and grows as the policy decides."""
     return [
         Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
              cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives)),
-        Pool("train", 1, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory, cfg.train_gpus,
-             tuple(cfg.train_job_directives)),
+        Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
+             cfg.train_gpus, tuple(cfg.train_job_directives)),
     ]
 
 

@@ -31,6 +31,8 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
     "on_long_prompt": ("error", "truncate", "skip"),
+    "train_parallel": ("fsdp", "ddp"),
+    "train_dtype": ("float32", "bfloat16"),
 }
 
 # a run name is one path component: runs/<name>/ never points outside runs/
@@ -105,6 +107,15 @@ class Config:
     prices: dict[str, float] = field(default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
+    train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
+    train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
+    train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights
+    gradient_checkpointing: bool = False  # recompute layers in backward: less memory, rows
+    # then run whole (no shared-prompt forward; ops/forward.py)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (peft; the lora extra)
+    lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
+    lora_target_modules: list[str] = field(  # module names that get adapters
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     worker_memory: str = "4GiB"
     scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
     dashboard_address: str = "127.0.0.1:0"
@@ -132,7 +143,7 @@ class Config:
             if value not in allowed:
                 raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
-                    "gen_threads", "train_threads", "epochs", "micro_batch_tokens",
+                    "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens")
         for key in positive:
             if getattr(self, key) < 1:
@@ -182,6 +193,13 @@ class Config:
         if self.backend == "vllm" and self.top_p < 1:
             raise ConfigError(f"top_p = {self.top_p} with backend = 'vllm': its logprobs are "
                               "renormalised over the nucleus, the trainer's are not; use 1")
+        if self.lora_rank < 0 or self.lora_rank and not (self.lora_alpha > 0
+                                                         and self.lora_target_modules):
+            raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
+                              "lora_alpha > 0 and at least one of lora_target_modules")
+        if self.lora_rank and self.backend == "vllm":
+            raise ConfigError("lora_rank > 0 runs with backend = 'hf': loading published "
+                              "adapters into vLLM is not built yet")
         if self.backend == "vllm" and self.policy == "elastic":
             raise ConfigError("backend = 'vllm' runs with policy = 'static': the elastic "
                               "policy pauses and migrates the hf decode loop mid-batch")

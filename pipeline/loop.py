@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import LoadResult, read_prompts
+from rlhfless.ops.lora import LoraSpec
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import ensure_tiny_model
 from rlhfless.ops.update import UpdateParams
@@ -137,8 +138,10 @@ def resolve_model(cfg: Config, log=print) -> Path:
 
 def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    lora = (LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_target_modules))
+            if cfg.lora_rank else None)
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
-                            cfg.colocate)
+                            cfg.colocate, lora)
     update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
                           max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
@@ -148,8 +151,10 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
                      cfg.share_prefixes),
         reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
-        train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads), update,
-                        str(run.weights)),
+        train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
+                        update, str(run.weights), world=cfg.train_workers,
+                        parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
+                        gradient_checkpointing=cfg.gradient_checkpointing),
     )
 
 

@@ -46,9 +46,11 @@ from rlhfless.ops.publish import WeightsRef
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config
+from .ranks import form_group, on_ranks
 from .runs import RunDir
 from .workers import (
     TrainSpec,
+    leave_trainer_task,
     publish_task,
     restore_trainer_task,
     save_trainer_task,
@@ -226,6 +228,7 @@ class Durable:
         self.recoveries = 0
         self.totals_before: dict[str, float] = {}  # ledger totals of earlier sessions
         self.tables: dict[str, pa.Table] = {}  # restored driver tables (a replay buffer)
+        self.members: list[str] = []  # addresses of the ranks, when spec.world > 1
 
     # ---- the trainer ---------------------------------------------------------------------
 
@@ -241,11 +244,35 @@ class Durable:
             raise RuntimeError(f"no trainer answered within {TRAINER_WAIT_S:g} s "
                                f"({fn.__name__})") from err
 
+    def _each_rank(self, fn, *args) -> list:
+        """``fn(*args)`` on the trainer, or on every rank of its group; results by rank."""
+        if self.spec.world == 1:
+            return [self._on_trainer(fn, *args)]
+        return on_ranks(fn, *args, client=self.pc.client, members=self.members)
+
+    def _form_group(self) -> None:
+        """A new process group over the TRAIN pool (ranks.py); any old one is left first."""
+        pc = self.pc
+        pc.sync_events()
+        missing = self.spec.world - len(pc.worker_names("train"))
+        if missing > 0:  # batch jobs that ended do not come back
+            pc.grow("train", missing)
+        names = pc.worker_names("train")[: self.spec.world]
+        pc.wait_for(names)
+        members = [pc.address_of(n) for n in names]
+        self.members = form_group(pc.client, members, members, self.spec.engine.device,
+                                  self.spec.parallel, leave_trainer_task)
+
     def check_trainer(self) -> None:
-        """Raise ``TrainerLost`` if the trainer is not the one this run trains with."""
-        token = self._on_trainer(trainer_token_task, self.spec)
-        if token != self.token:
-            raise TrainerLost(f"the trainer restarted (token {token}, expected {self.token})")
+        """Raise ``TrainerLost`` if the trainer (every rank) is not the one this run trains
+        with."""
+        if self.spec.world > 1:
+            connected = set(self.pc.client.scheduler_info(n_workers=-1)["workers"])
+            if gone := [a for a in self.members if a not in connected]:
+                raise TrainerLost(f"trainer ranks at {gone} are gone")
+        tokens = self._each_rank(trainer_token_task, self.spec)
+        if any(token != self.token for token in tokens):
+            raise TrainerLost(f"the trainer restarted (tokens {tokens}, expected {self.token})")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -253,7 +280,9 @@ class Durable:
              state: ElasticState, ledger: CostLedger) -> Path:
         started = time.perf_counter()
         tmp = ckpt.begin(self.root, iteration)
-        trainer = self._on_trainer(save_trainer_task, self.spec, str(tmp), self.token)
+        parts = self._each_rank(save_trainer_task, self.spec, str(tmp), self.token)
+        trainer = parts[0] | {"bytes": sum(p["bytes"] for p in parts),
+                              "seconds": max(p["seconds"] for p in parts)}
         if trainer["version"] != weights.version:
             raise RuntimeError(f"checkpoint {iteration}: the trainer holds v{trainer['version']}"
                                f", the run is at v{weights.version}")
@@ -281,7 +310,9 @@ class Durable:
             raise ResumeError(f"checkpoint {path} was taken over other prompts (data digest "
                               f"{driver.data_digest}, now {self.digest}); resuming would not "
                               "continue the same data order")
-        version = self._on_trainer(restore_trainer_task, self.spec, str(path), self.token)
+        if self.spec.world > 1:  # the old group may have lost a rank: a new one
+            self._form_group()
+        version = self._each_rank(restore_trainer_task, self.spec, str(path), self.token)[0]
         for published in self.run.weights.glob("v*.safetensors"):  # abandoned versions
             m = _VERSION_FILE.fullmatch(published.name)
             if m and int(m.group(1)) > version:
@@ -300,7 +331,9 @@ class Durable:
         """A fresh run: seed the trainer and commit checkpoint 0. ``resume``: restore the
         newest whole checkpoint. Returns (iteration done, weights)."""
         if not resume:
-            self._on_trainer(start_trainer_task, self.spec, self.cfg.seed, self.token)
+            if self.spec.world > 1:
+                self._form_group()
+            self._each_rank(start_trainer_task, self.spec, self.cfg.seed, self.token)
             self.save(0, weights, sampler, state, ledger)
             return 0, weights
         path, skipped = _newest_whole(self.root)

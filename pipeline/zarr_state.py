@@ -36,6 +36,9 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
+from rlhfless.ops.lora import adapter_scale, frozen_names, trainable_names
+from rlhfless.ops.parallel import inner, is_sharded, local_part, shard_rows
+
 CHUNK_BYTES = 32 << 20  # largest chunk written
 CHUNK_KEYS = {"name": "default", "separator": "."}  # chunk files c.0.0 beside zarr.json
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -246,10 +249,14 @@ def set_rng(group: zarr.Group) -> None:
 # ---- models and optimizers ---------------------------------------------------------------
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict`` with each shared (tied) tensor once, first name wins."""
+    """The model's ``state_dict`` with each shared (tied) tensor once, first name wins;
+    with frozen parameters (LoRA) only the ones that train."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
+    keep = trainable_names(model)
     for name, tensor in model.state_dict().items():
+        if keep is not None and name not in keep:
+            continue
         ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                  tuple(tensor.shape), tensor.dtype)
         if ident not in seen:
@@ -260,9 +267,10 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_model_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
                        where: str) -> None:
-    """Copy ``tensors`` into ``model``; only tied tensors may be missing, none unexpected."""
+    """Copy ``tensors`` into ``model``; only tied and frozen tensors may be missing, none
+    unexpected."""
     missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
-    tied = set(model.state_dict()) - set(model_tensors(model))
+    tied = set(model.state_dict()) - set(model_tensors(model)) | frozen_names(model)
     if unexpected or set(missing) - tied:
         raise ValueError(f"{where}: missing {sorted(set(missing) - tied)}, "
                          f"unexpected {sorted(unexpected)}")
@@ -316,3 +324,171 @@ def load_optimizer(group: zarr.Group, model: torch.nn.Module,
         state[index[name]] = {k: get_tensor(a) for k, a in sub.arrays()} | dict(
             sub.attrs.get("scalars", {}))
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---- sharded trainers: every rank writes and reads its own rows --------------------------
+#
+# The layout is the one above (one array of the whole shape per tensor), so a checkpoint
+# written by N ranks is read by M ranks, or by one, and the other way round. A tensor
+# sharded on dimension 0 (an FSDP2 DTensor) is written by each rank as the chunks of its rows
+# (chunks of a divisor of the rows per rank, so no two ranks write one chunk file); a
+# replicated tensor (DDP) likewise, each rank its ``shard_rows``; 0-d tensors, metadata and
+# the RNG by rank 0. Files only, no zarr calls: ranks write concurrently into one store.
+
+def _group_json(path: Path, attributes: Mapping | None = None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes or {})}
+    (path / "zarr.json").write_text(json.dumps(meta))
+
+
+def _numpy_of(t: torch.Tensor, where: str) -> tuple[np.ndarray, str]:
+    t = t.detach().cpu().contiguous()
+    name = _NAME_OF.get(t.dtype)
+    if name is None:
+        raise ValueError(f"tensor {where!r} has dtype {t.dtype}; a checkpoint stores "
+                         f"{sorted(TORCH_DTYPES)}")
+    return (t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()), name
+
+
+def put_tensor_rows(path: Path, tensor: torch.Tensor, rank: int, world: int) -> int:
+    """Write this rank's rows of ``tensor`` (a dimension-0 DTensor shard, or a replicated
+    tensor) as array ``path``; returns the bytes written."""
+    shape = tuple(tensor.shape)
+    if not shape:
+        if rank != 0:
+            return 0
+        a, dtype = _numpy_of(local_part(tensor), str(path))
+        start, per = 0, 1
+    else:
+        start, stop = shard_rows(shape[0], rank, world)
+        local = local_part(tensor) if is_sharded(tensor) else tensor[start:stop]
+        if local.shape[0] != stop - start:
+            raise ValueError(f"{path}: rank {rank} holds {local.shape[0]} rows, expected "
+                             f"{stop - start} (not a dimension-0 shard)")
+        a, dtype = _numpy_of(local, str(path))
+        per = shard_rows(shape[0], 0, world)[1] or 1
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * a.itemsize)
+    rows = next(d for d in range(per, 0, -1) if per % d == 0 and d * row_bytes <= CHUNK_BYTES
+                or d == 1)
+    chunks = (rows, *(max(1, d) for d in shape[1:])) if shape else ()
+    path.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        whole = np.broadcast_to(np.zeros((), a.dtype), shape)  # shape and dtype, no bytes
+        (path / "zarr.json").write_text(json.dumps(
+            array_metadata(whole, chunks, {"torch_dtype": dtype}), indent=2))
+    data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+    if not shape:
+        (path / "c").write_bytes(memoryview(data.reshape(1)).cast("B"))
+        return data.nbytes
+    tail = ".0" * (len(shape) - 1)
+    for i in range(0, len(data), rows):
+        piece = data[i:i + rows]
+        with open(path / f"c.{(start + i) // rows}{tail}", "wb") as f:
+            f.write(memoryview(piece.reshape(-1)).cast("B"))
+            if len(piece) < rows:
+                f.write(bytes((rows - len(piece)) * piece[0].nbytes))
+    return data.nbytes
+
+
+def get_tensor_rows(array: zarr.Array, like: torch.Tensor, rank: int, world: int
+                    ) -> torch.Tensor:
+    """What this rank holds of ``array`` for a tensor shaped as ``like``: its rows if
+    ``like`` is a dimension-0 DTensor shard, else the whole array."""
+    if tuple(array.shape) != tuple(like.shape):
+        raise ValueError(f"array {array.path!r} has shape {tuple(array.shape)}, the trainer's "
+                         f"tensor {tuple(like.shape)}")
+    if not is_sharded(like) or not like.shape:
+        return get_tensor(array)
+    start, stop = shard_rows(like.shape[0], rank, world)
+    dtype = array.attrs.get("torch_dtype")
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"array {array.path!r}: torch_dtype {dtype!r} is not one of "
+                         f"{sorted(TORCH_DTYPES)}")
+    t = torch.from_numpy(np.array(array[start:stop]))
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def _copy_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
+    with torch.no_grad():
+        local_part(target).copy_(rows.view(local_part(target).shape))
+
+
+def put_trainer_rows(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     rank: int, world: int) -> int:
+    """This rank's part of ``trainer/`` (model, optimizer; rank 0 also the metadata and its
+    RNG) under the checkpoint directory ``path``; returns the bytes of tensors written."""
+    module = inner(model)
+    trainer = path / "trainer"
+    sd = optimizer.state_dict()
+    names = _optimizer_param_names(module, optimizer)
+    if rank == 0:
+        _group_json(trainer, {"ranks": world, "lora_scale": adapter_scale(module)})
+        _group_json(trainer / "model")
+        _group_json(trainer / "optimizer", {
+            "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+                             for g in sd["param_groups"]],
+            "class": type(optimizer).__name__})
+        put_rng(zarr.open_group(trainer / "rng", mode="w", zarr_format=3))
+    n, seen, keep = 0, set(), trainable_names(module)
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen and (keep is None or name in keep):  # as model_tensors
+            seen.add(id(t))
+            n += put_tensor_rows(trainer / "model" / name, t, rank, world)
+    for index, state in sd["state"].items():
+        sub = trainer / "optimizer" / names[index]
+        if rank == 0:
+            _group_json(sub, {"scalars": {k: v for k, v in state.items()
+                                          if not torch.is_tensor(v)}})
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                n += put_tensor_rows(sub / key, value, rank, world)
+    return n
+
+
+def load_trainer_rows(group: zarr.Group, model: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer, rank: int, world: int,
+                      where: str) -> None:
+    """Restore a ``trainer/`` group written by any number of ranks into this rank."""
+    module = inner(model)
+    stored = dict(group["model"].arrays())
+    targets = module.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}  # tied tensors: one array under any of their names
+    for name, t in targets.items():
+        aliases.setdefault(id(t), []).append(name)
+    found = {i: next((n for n in names if n in stored), None) for i, names in aliases.items()}
+    frozen = frozen_names(module)
+    missing = sorted(names[0] for i, names in aliases.items()
+                     if found[i] is None and not frozen & set(names))
+    unexpected = sorted(set(stored) - set(targets))
+    if missing or unexpected:
+        raise ValueError(f"{where}: missing {missing}, unexpected {unexpected}")
+    for i, name in found.items():
+        if name is None:  # frozen: the model directory's
+            continue
+        t = targets[aliases[i][0]]
+        _copy_rows(t, get_tensor_rows(stored[name], t, rank, world))
+    opt = group["optimizer"]
+    if opt.attrs.get("class") != type(optimizer).__name__:
+        raise ValueError(f"optimizer state {opt.path!r} is of {opt.attrs.get('class')}, the "
+                         f"trainer's optimizer is {type(optimizer).__name__}")
+    names = _optimizer_param_names(module, optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for name, sub in opt.groups():
+        if name not in index:
+            raise ValueError(f"optimizer state {opt.path!r} has parameter {name!r}, which "
+                             "the model does not have")
+        p = params[index[name]]
+        state[index[name]] = dict(sub.attrs.get("scalars", {}))
+        for key, array in sub.arrays():
+            if is_sharded(p) and tuple(array.shape) == tuple(p.shape) and array.shape:
+                value = torch.zeros_like(p, dtype=TORCH_DTYPES[array.attrs["torch_dtype"]])
+                _copy_rows(value, get_tensor_rows(array, p, rank, world))
+            else:  # replicated, or a 0-d step
+                value = get_tensor(array)
+            state[index[name]][key] = value
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
+              for g in opt.attrs["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    set_rng(group["rng"])

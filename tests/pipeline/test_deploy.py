@@ -109,3 +109,10 @@ def test_walltime_formats(text, seconds):
 def test_bad_hpc_keys_are_one_clear_line(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [override])
+
+
+def test_train_workers_make_one_batch_job_per_rank_with_its_gpu():
+    pools = {p.name: p for p in pools_from_config(Config(train_workers=3, train_gpus=1))}
+    assert pools["train"].size == 3  # ranks of one process group (pipeline/ranks.py)
+    lines = _lines(_slurm().job_script(pools["train"], name="train-2"))
+    assert "#SBATCH --gres=gpu:1" in lines and "--resources TRAIN=1" in lines[-1]

@@ -1,0 +1,146 @@
+"""Trainer ranks: one update on 1 rank vs 2 ranks (FSDP2 and DDP, gloo on CPU), and LoRA's
+published bytes vs the full weights'.
+
+A bench-size Llama (``--hidden``, ``--layers``; random weights, built here) and one synthetic
+batch (``--prompts`` groups of ``--samples`` rows, responses of 8..``--max-response``
+tokens, advantages of both signs) go to worker processes of one ``LocalCluster`` with one
+torch thread each. Every variant runs ``--updates`` updates after one warm-up; printed per
+variant: tokens (prompt + response, as the update counts them) per second of the median
+update, and the bytes each rank holds in parameters + gradients + AdamW state after the
+step (measured on the tensors: a DTensor counts its local shard). For FSDP2 also
+``gathered_extra_bytes``: the unsharded parameters and gradients a rank holds while its
+micro-batches run (``ops/parallel.py``), an accounting of full sizes, not a measurement.
+``lora``: bytes of a published version with adapters of rank ``--lora-rank`` on
+q/k/v/o_proj vs without. One JSON line.
+
+    python bench/trainer.py [--hidden 256] [--layers 4] [--prompts 8] [--updates 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from distributed import Client, LocalCluster
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlhfless.ops.lora import LoraSpec, add_adapters
+from rlhfless.ops.parallel import Ranks, inner, local_part, wrap_model
+from rlhfless.ops.publish import publish_weights
+from rlhfless.ops.schema import TRAINABLE
+from rlhfless.ops.update import UpdateParams, update_policy
+from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
+from rlhfless.pipeline.workers import leave_trainer_task
+
+PARAMS = UpdateParams(lr=1e-4, micro_batch_tokens=1024)
+
+
+def build_model(out: Path, hidden: int, layers: int) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=max(1, hidden // 128), max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def synthetic_batch(prompts: int, samples: int, max_response: int, seed: int = 0) -> pa.Table:
+    rng = random.Random(seed)
+    cols: dict[str, list] = {f.name: [] for f in TRAINABLE}
+    for g in range(prompts):
+        prompt = [rng.randrange(4, 4096) for _ in range(rng.randrange(16, 48))]
+        for s in range(samples):
+            response = [rng.randrange(4, 4096) for _ in range(rng.randrange(8, max_response))]
+            row = {"prompt_id": f"p{g}", "prompt_ids": prompt, "answer": None,
+                   "data_source": "bench", "sample_idx": s, "response_ids": response,
+                   "response_text": "", "logprobs": [-8.3] * len(response),
+                   "finish_reason": "stop", "policy_version": 0, "worker": "w",
+                   "gen_start": 0.0, "gen_end": 0.0, "reward": 0.0, "reward_error": None,
+                   "advantage": rng.uniform(-1, 1)}
+            for k, v in row.items():
+                cols[k].append(v)
+    return pa.Table.from_pydict(cols, schema=TRAINABLE)
+
+
+def _bytes(tensors) -> int:
+    return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors)
+
+
+def run_updates(model_dir: str, batch: pa.Table, ranked: bool, updates: int) -> dict:
+    """Warm-up + ``updates`` updates on this worker (as a rank if ``ranked``)."""
+    torch.set_num_threads(1)
+    ranks: Ranks | None = this_rank() if ranked else None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    full = _bytes(model.parameters())
+    wrapped = model if ranks is None else wrap_model(model, ranks)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
+    seconds, tokens = [], 0
+    for i in range(updates + 1):
+        started = time.perf_counter()
+        metrics = update_policy(wrapped, optimizer, batch, PARAMS, pad_id=0, ranks=ranks)
+        if i:
+            seconds.append(time.perf_counter() - started)
+        tokens = metrics["forward_tokens"]
+    params = list(inner(wrapped).parameters())
+    state = {"param": _bytes(params), "grad": _bytes(p.grad for p in params),
+             "optimizer": _bytes(t for s in optimizer.state.values() for t in s.values()
+                                 if torch.is_tensor(t) and t.dim())}
+    gathered = 2 * full if ranks is not None and ranks.parallel == "fsdp" else 0
+    return {"seconds": statistics.median(seconds), "tokens": tokens, **state,
+            "total": sum(state.values()), "gathered_extra": gathered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-response", type=int, default=40)
+    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--lora-rank", type=int, default=8)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
+    model_dir = str(build_model(tmp / "model", args.hidden, args.layers))
+    batch = synthetic_batch(args.prompts, args.samples, args.max_response)
+    out: dict = {"bench": "trainer", "hidden": args.hidden, "layers": args.layers,
+                 "load_1min": os.getloadavg()[0]}
+    with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                       dashboard_address=":0") as cluster, Client(cluster) as client):
+        workers = sorted(client.scheduler_info()["workers"])
+        one = client.submit(run_updates, model_dir, batch, False, args.updates,
+                            workers=[workers[0]], pure=False).result()
+        variants = {"1_rank": one}
+        for parallel in ("fsdp", "ddp"):
+            members = form_group(client, workers, workers, "cpu", parallel, leave_trainer_task)
+            per_rank = on_ranks(run_updates, model_dir, batch, True, args.updates,
+                                client=client, members=members)
+            variants[f"2_ranks_{parallel}"] = max(per_rank, key=lambda r: r["total"])
+    for name, r in variants.items():
+        out[name] = {"tokens_per_s": round(r["tokens"] / r["seconds"], 1),
+                     "update_s": round(r["seconds"], 3),
+                     "param_grad_optimizer_bytes_per_rank": r["total"],
+                     "vs_1_rank": round(r["total"] / one["total"], 3),
+                     "gathered_extra_bytes": r["gathered_extra"]}
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    full = Path(publish_weights(model, tmp / "full", 1).path).stat().st_size
+    add_adapters(model, LoraSpec(args.lora_rank, 2.0 * args.lora_rank))
+    lora = Path(publish_weights(model, tmp / "lora", 1).path).stat().st_size
+    out["lora"] = {"rank": args.lora_rank, "published_bytes": lora, "full_bytes": full,
+                   "ratio": round(lora / full, 4)}
+    shutil.rmtree(tmp)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

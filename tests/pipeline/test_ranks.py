@@ -1,0 +1,160 @@
+"""Trainer ranks on a real LocalCluster (worker processes, gloo on CPU): one update spread
+over 2 ranks gives the gradients of 1 rank's (FSDP2 and DDP), and a checkpoint written by
+N ranks restores onto M bitwise (``ops/parallel.py``, ``pipeline/ranks.py``,
+``pipeline/zarr_state.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pytest
+import torch
+import zarr
+from distributed import Client, LocalCluster
+from transformers import AutoModelForCausalLM
+
+from rlhfless.ops.parallel import full_state, full_tensor, inner, split_rows, wrap_model
+from rlhfless.ops.schema import TRAINABLE
+from rlhfless.ops.update import UpdateParams, update_policy
+from rlhfless.pipeline import checkpoint as ckpt
+from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
+from rlhfless.pipeline.workers import leave_trainer_task
+from rlhfless.pipeline.zarr_state import get_tensors
+
+PARAMS = UpdateParams(lr=1e-2, micro_batch_tokens=96, max_grad_norm=1e9)
+
+
+def trainable(n_prompts: int = 5, n_samples: int = 3, seed: int = 0) -> pa.Table:
+    """Groups of ``n_samples`` rows per prompt, responses of mixed lengths, behaviour
+    log-probabilities near the model's and advantages of both signs."""
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(n_prompts):
+        prompt = [rng.randrange(4, 200) for _ in range(rng.randrange(3, 9))]
+        for _ in range(n_samples):
+            prompts.append(prompt)
+            responses.append([rng.randrange(4, 200) for _ in range(rng.randrange(1, 12))])
+    n = len(prompts)
+    columns = {
+        "prompt_id": [f"p{i // n_samples}" for i in range(n)], "prompt_ids": prompts,
+        "answer": [None] * n, "data_source": ["t"] * n,
+        "sample_idx": [i % n_samples for i in range(n)], "response_ids": responses,
+        "response_text": [""] * n,
+        "logprobs": [[-5.0 - 0.1 * rng.random() for _ in r] for r in responses],
+        "finish_reason": ["stop"] * n, "policy_version": [0] * n, "worker": ["w"] * n,
+        "gen_start": [0.0] * n, "gen_end": [0.0] * n, "reward": [0.0] * n,
+        "reward_error": [None] * n, "advantage": [rng.uniform(-1.5, 1.5) for _ in range(n)],
+    }
+    return pa.Table.from_pydict({f.name: columns[f.name] for f in TRAINABLE}, schema=TRAINABLE)
+
+
+def load(model_dir) -> torch.nn.Module:
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu") -> dict:
+    """One update here (``ranked`` false) or on this rank: metrics, full gradients, weights
+    and AdamW state after the step, gathered (on CPU). ``device``: "cuda" for the NCCL
+    check of bench/gpu_check.sh."""
+    ranks = this_rank() if ranked else None
+    model = load(model_dir).to(device)
+    wrapped = model if ranks is None else wrap_model(model, ranks)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
+    metrics = update_policy(wrapped, optimizer, table, PARAMS, pad_id=0, ranks=ranks)
+    named = dict(inner(wrapped).named_parameters())
+    grads = {n: full_tensor(p.grad).cpu() for n, p in named.items()}
+    exp_avg = {n: full_tensor(optimizer.state[p]["exp_avg"]).cpu() for n, p in named.items()}
+    return {"metrics": metrics, "grads": grads, "weights": full_state(wrapped, keep=True),
+            "exp_avg": exp_avg}
+
+
+def save_after_update(model_dir, table: pa.Table, path: str) -> int:
+    """One update on this rank, then this rank's part of a checkpoint at ``path``."""
+    ranks = this_rank()
+    wrapped = wrap_model(load(model_dir), ranks)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
+    update_policy(wrapped, optimizer, table, PARAMS, pad_id=0, ranks=ranks)
+    return ckpt.write_trainer(path, wrapped, optimizer, ranks)
+
+
+def restore_full(model_dir, path: str) -> dict:
+    """The checkpoint at ``path`` restored onto this rank, gathered back whole."""
+    ranks = this_rank()
+    wrapped = wrap_model(load(model_dir), ranks)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
+    ckpt.read_trainer(path, wrapped, optimizer, ranks)
+    named = dict(inner(wrapped).named_parameters())
+    return {"weights": full_state(wrapped, keep=True),
+            "exp_avg": {n: full_tensor(optimizer.state[p]["exp_avg"]).clone()
+                        for n, p in named.items()},
+            "step": {n: float(optimizer.state[p]["step"]) for n, p in named.items()}}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                       dashboard_address=":0", resources={"TRAIN": 1}) as cluster,
+          Client(cluster) as c):
+        yield c
+
+
+def group_of(client: Client, world: int, parallel: str) -> list[str]:
+    workers = sorted(client.scheduler_info()["workers"])
+    return form_group(client, workers[:world], workers, "cpu", parallel, leave_trainer_task)
+
+
+def test_split_rows_keeps_groups_whole_and_balances_tokens():
+    table = trainable(n_prompts=7)
+    prompts = table.column("prompt_ids").to_pylist()
+    lens = [len(r) for r in table.column("response_ids").to_pylist()]
+    parts = split_rows(prompts, lens, 3)
+    assert sorted(i for part in parts for i in part) == list(range(len(prompts)))
+    for part in parts:  # a prompt's rows all on one rank
+        assert all(i in part for j in part for i in range(len(prompts))
+                   if prompts[i] == prompts[j])
+    assert all(part for part in parts)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
+    table = trainable()
+    single = one_update(tiny_model_dir, table, ranked=False)
+    members = group_of(client, 2, parallel)
+    results = on_ranks(one_update, tiny_model_dir, table, True, client=client, members=members)
+    for got in results:  # every rank sees the whole gradient and the same weights
+        for name, grad in single["grads"].items():  # float32 sums in another order
+            scale = grad.abs().max().item()
+            err = (got["grads"][name] - grad).abs().max().item()
+            assert err <= 1e-5 * scale, (name, err, scale)
+        for name, w in single["weights"].items():  # Adam divides by sqrt(v): a gradient
+            # near 0 moves its weight by up to lr whatever its rounding; 1% of lr here
+            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-2 * PARAMS.lr)
+        for key in ("loss", "pg_loss", "clip_frac"):
+            assert got["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5)
+        assert got["metrics"]["tokens"] == single["metrics"]["tokens"]
+        assert got["metrics"]["forward_tokens"] == single["metrics"]["forward_tokens"]
+    assert single["metrics"]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize(("write", "read"), [(2, 1), (1, 2)])
+def test_checkpoint_of_n_ranks_restores_on_m_bitwise(client, tiny_model_dir, tmp_path,
+                                                     write, read):
+    path = ckpt.begin(tmp_path, 1)
+    members = group_of(client, write, "fsdp")
+    on_ranks(save_after_update, tiny_model_dir, trainable(), str(path), client=client,
+             members=members)
+    zarr.open_group(path, mode="r+").attrs["policy_version"] = 1
+    stored = get_tensors(zarr.open_group(path, mode="r")["trainer/model"])
+    path = ckpt.commit(path)
+    members = group_of(client, read, "fsdp")
+    for got in on_ranks(restore_full, tiny_model_dir, str(path), client=client,
+                        members=members):
+        assert got["weights"].keys() == stored.keys()
+        for name, tensor in stored.items():
+            assert torch.equal(got["weights"][name], tensor), name
+        assert set(got["step"].values()) == {1.0}
+        opt = zarr.open_group(path, mode="r")["trainer/optimizer"]
+        for name, tensor in got["exp_avg"].items():
+            assert torch.equal(tensor, get_tensors(opt[name])["exp_avg"]), name
