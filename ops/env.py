@@ -39,7 +39,7 @@ class StepResult:
 
 
 class Environment(ABC):
-    """One episode. The rollout loop calls, in this order, each call on a thread of its own
+    """One episode. The rollout loop calls, in this order, each call on an environment thread
     under the step time limit (a call that raises, overruns or returns the wrong type ends
     the episode with a recorded error)::
 

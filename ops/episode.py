@@ -3,7 +3,7 @@
 ``run_episodes`` plays one episode per (prompt, sample) of a shard against an environment
 (``ops/env.py``) in *rounds*. A round decodes one turn of every live episode as one batch;
 an episode leaves the batch at EOS (or its token budget), and its environment step starts at
-once on a thread of its own, while the other episodes of the round go on decoding (the
+once on an environment thread, while the other episodes of the round go on decoding (the
 environment's wait overlaps with their decoding). When the round's decoding is over, the
 loop collects the steps, appends each observation and starts the next round.
 
@@ -21,16 +21,20 @@ Limits: ``max_turns`` (then ``finish_reason = "turns"``), ``max_turn_tokens`` an
 ``max_episode_tokens`` (generated + observation tokens after the prompt; a turn cut short
 without EOS, or an observation that would not fit, ends the episode with "length"), and
 ``step_timeout_s`` per environment call. Every environment call (construction, ``reset``,
-``step``, ``close``) runs on the episode's own thread under that limit: one that raises,
-overruns or returns the wrong type ends that episode with ``finish_reason = "error"`` and
-the reason in ``env_error``, never the shard. A call stuck in C code keeps its thread until
-it returns (Python threads cannot be killed); the episode does not wait for it.
+``step``, ``close``) runs on a thread of the process's environment pool (``ENV_THREADS``
+threads, reused across shards; a thread started and ended per episode once hung a
+generation worker inside CPython's thread creation) under that limit, counted from its
+submission: one that raises, overruns or returns the wrong type ends that episode with
+``finish_reason = "error"`` and the reason in ``env_error``, never the shard. A call that
+hangs keeps its pool thread until it returns (Python threads cannot be killed); the episode
+does not wait for it.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -49,8 +53,11 @@ from .generate import (
     rollouts_table,
     run_decoding,
 )
-from .reward import GuardedCaller, _describe
+from .reward import _describe
 from .schema import EPISODES, SCORED
+
+ENV_THREADS = 64  # environment calls in flight at once, per process
+_ENV_POOL: list[ThreadPoolExecutor] = []  # made on first use, kept for the process
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,6 @@ class EpisodeStats:
 class _Episode:
     row: dict
     prompt: list[int]
-    caller: GuardedCaller
     env: Environment | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -116,20 +122,45 @@ class _Episode:
         self.mask += [1 if logprobs is not None else 0] * len(ids)
 
 
-def _env_call(ep: _Episode, fn, args: tuple, timeout_s: float):
-    """``fn(*args)`` on the episode's thread under the time limit; the seconds it took are
-    added to the episode's environment time."""
+@dataclass
+class _Call:
+    """An environment call in flight on the process's environment threads."""
+
+    ep: _Episode
+    future: Future
+    submitted: float
+
+    def result(self, timeout_s: float):
+        """Its value, or what it raised; ``TimeoutError`` once ``timeout_s`` have passed
+        since it was submitted (the call itself is abandoned, its thread runs on)."""
+        left = self.submitted + timeout_s - time.perf_counter()
+        try:
+            return self.future.result(timeout=max(0.0, left))
+        except FutureTimeout:
+            self.ep.env_seconds += timeout_s
+            raise TimeoutError(f"timeout after {timeout_s:g}s") from None
+
+
+def _timed(ep: _Episode, fn, *args):
     started = time.perf_counter()
-    ep.env_calls += 1
     try:
-        return ep.caller.call(fn, args, timeout_s)
+        return fn(*args)
     finally:
         ep.env_seconds += time.perf_counter() - started
 
 
+def _env_call(ep: _Episode, fn, *args) -> _Call:
+    """Start ``fn(*args)`` on an environment thread: threads are shared by the process and
+    reused, so that episodes do not start and end threads all the time."""
+    if not _ENV_POOL:
+        _ENV_POOL.append(ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="rlhfless-env"))
+    ep.env_calls += 1
+    return _Call(ep, _ENV_POOL[0].submit(_timed, ep, fn, *args), time.perf_counter())
+
+
 def _open(ep: _Episode, cls: type[Environment], params: EpisodeParams) -> str | None:
-    ep.env = _env_call(ep, lambda: cls(**params.env_kwargs), (), params.step_timeout_s)
-    text = _env_call(ep, ep.env.reset, (dict(ep.row),), params.step_timeout_s)
+    ep.env = cls(**params.env_kwargs)
+    text = ep.env.reset(dict(ep.row))
     if text is not None and not isinstance(text, str):
         raise TypeError(f"reset returned {type(text).__name__}, expected str or None")
     return text
@@ -183,37 +214,41 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     if prompt_ids:
         _check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-    eps = [_Episode(row | {"prompt_text": text}, ids, GuardedCaller(), pending=list(ids))
+    eps = [_Episode(row | {"prompt_text": text}, ids, pending=list(ids))
            for row, ids, text in zip(rows.to_pylist(), prompt_ids, texts)]
     eos = tokenizer.eos_token_id
     gen = torch.Generator(device=model.device).manual_seed(sampling.seed)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(eps), 32))) as pool:
-        for ep, fut in [(ep, pool.submit(_open, ep, cls, params)) for ep in eps]:
+    timeout = params.step_timeout_s
+    for call in [_env_call(ep, _open, ep, cls, params) for ep in eps]:
+        try:
+            _observe(call.ep, call.result(timeout), tokenizer, params, est)
+        except BaseException as err:  # user code: recorded, this episode only
+            call.ep.fail("reset", err)
+    while live := [ep for ep in eps if ep.finish is None]:
+        steps = _play_round(model, tokenizer, live, sampling, params, gen, eos, stats)
+        waited = time.perf_counter()
+        for call in steps:
+            ep = call.ep
             try:
-                _observe(ep, fut.result(), tokenizer, params, est)
-            except BaseException as err:  # user code: recorded, this episode only
-                ep.fail("reset", err)
-        while live := [ep for ep in eps if ep.finish is None]:
-            steps = _play_round(model, tokenizer, live, sampling, params, gen, eos, pool, stats)
-            waited = time.perf_counter()
-            for ep, fut in steps:
-                try:
-                    result = check_step(fut.result())
-                except BaseException as err:
-                    ep.fail("step", err)
-                    continue
-                ep.reward += float(result.reward)
-                if result.done:
-                    ep.finish = "stop"
-                elif ep.turns >= params.max_turns:
-                    ep.finish = "turns"
-                else:
-                    _observe(ep, result.observation, tokenizer, params, est)
-            est.env_wait_seconds += time.perf_counter() - waited
-        for fut in [pool.submit(_close, ep, params) for ep in eps]:
-            fut.result()
+                result = check_step(call.result(timeout))
+            except BaseException as err:
+                ep.fail("step", err)
+                continue
+            ep.reward += float(result.reward)
+            if result.done:
+                ep.finish = "stop"
+            elif ep.turns >= params.max_turns:
+                ep.finish = "turns"
+            else:
+                _observe(ep, result.observation, tokenizer, params, est)
+        est.env_wait_seconds += time.perf_counter() - waited
+    for call in [_env_call(ep, ep.env.close) for ep in eps if ep.env is not None]:
+        try:
+            call.result(timeout)
+        except BaseException as err:
+            if call.ep.error is None:  # the episode's result stands; the failure is recorded
+                call.ep.error = f"close: {_describe(err)}"
     for ep in eps:
-        ep.caller.close()
         est.episodes += 1
         est.turns += ep.turns
         est.env_errors += ep.finish == "error"
@@ -227,7 +262,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
 
 def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams,
                 params: EpisodeParams, gen: torch.Generator, eos: int,
-                pool: ThreadPoolExecutor, stats: GenerationStats) -> list[tuple[_Episode, Future]]:
+                stats: GenerationStats) -> list[_Call]:
     """Decode one turn of every live episode; returns the environment steps started."""
     budgets = [min(params.max_turn_tokens, params.max_episode_tokens - len(ep.ids))
                for ep in live]
@@ -242,7 +277,7 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
     dec = _start(model, cache, logits, mask, next_pos, budgets, sampling)
     dec.gen = gen  # one random stream for the whole shard, not one per round
     stats.prefill_seconds += time.perf_counter() - started
-    steps: list[tuple[_Episode, Future]] = []
+    steps: list[_Call] = []
     keep = _keep_leaving(live) if params.keep_kv else None
 
     def on_leave(d: Decoding, rows: torch.Tensor) -> None:
@@ -254,11 +289,10 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
             if turn[-1] != eos or len(ep.ids) + len(turn) >= params.max_episode_tokens:
                 continue  # cut short: the episode ends at "length", no step
             text = tokenizer.decode(turn, skip_special_tokens=True)
-            steps.append((ep, pool.submit(_env_call, ep, ep.env.step, (text,),
-                                          params.step_timeout_s)))
+            steps.append(_env_call(ep, ep.env.step, text))
 
     run_decoding(model, dec, sampling, eos, stats, on_leave=on_leave)
-    stepped = {id(ep) for ep, _ in steps}
+    stepped = {id(call.ep) for call in steps}
     for ep, (ids, logprobs, _) in zip(live, dec.results()):
         ep.append(ids, logprobs)
         ep.pending = ids[-1:]  # the turn's last token never ran through the model
@@ -266,16 +300,6 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
         if id(ep) not in stepped:
             ep.finish = "length"
     return steps
-
-
-def _close(ep: _Episode, params: EpisodeParams) -> None:
-    if ep.env is None:
-        return
-    try:
-        _env_call(ep, ep.env.close, (), params.step_timeout_s)
-    except BaseException as err:
-        if ep.error is None:  # the episode's result stands; the failure is recorded
-            ep.error = f"close: {_describe(err)}"
 
 
 def _with_episode_columns(table: pa.Table, eps: list[_Episode]) -> pa.Table:
