@@ -23,6 +23,7 @@ quantity the trainer recomputes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -159,6 +160,22 @@ def _start(model, cache, logits, mask, next_pos, budgets: list[int], params: Sam
     )
 
 
+def extend_cache(model, cache: DynamicCache, past_mask: torch.Tensor, past_lens: list[int],
+                 suffixes: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run each row's ``suffixes[i]`` on top of its ``past_lens[i]`` cached tokens (left-padded
+    in ``cache`` under ``past_mask`` [B, P]); the suffixes are left-padded too, so padding sits
+    between a row's past and its suffix. Returns the last token's logits [B, V] and the mask
+    [B, P + S] of the extended cache."""
+    suffix_ids, suffix_mask = left_pad(suffixes, pad_id)
+    suffix_ids, suffix_mask = suffix_ids.to(model.device), suffix_mask.to(model.device)
+    offsets = torch.tensor(past_lens, device=model.device)[:, None]
+    positions = (offsets + suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+    mask = torch.cat([past_mask, suffix_mask], dim=-1)  # [B, P + S]
+    out = forward_with_cache(model, cache, input_ids=suffix_ids, attention_mask=mask,
+                             position_ids=positions)
+    return out.logits[:, -1], mask
+
+
 @torch.inference_mode()
 def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
                     pad_id: int, prefix_lens: list[int] | None = None,
@@ -181,15 +198,9 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     prefix_kv = _prefill_prefixes(model, [list(p) for p in prefixes])
     cache, past_mask = _prefix_cache(model, prefix_kv, owner, prefix_lens)
 
-    suffix_ids, suffix_mask = left_pad([p[k:] for p, k in zip(prompts, prefix_lens)], pad_id)
-    suffix_ids, suffix_mask = suffix_ids.to(model.device), suffix_mask.to(model.device)
-    offsets = torch.tensor(prefix_lens, device=model.device)[:, None]
-    positions = (offsets + suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [U, S]
-    mask = torch.cat([past_mask, suffix_mask], dim=-1)  # [U, P + S]
-    out = forward_with_cache(model, cache, input_ids=suffix_ids, attention_mask=mask,
-                             position_ids=positions)
-    stats.prefill_tokens += sum(len(p) for p in prefixes) + int(suffix_mask.sum())
-    logits = out.logits[:, -1]  # [U, V]
+    suffixes = [p[k:] for p, k in zip(prompts, prefix_lens)]
+    logits, mask = extend_cache(model, cache, past_mask, prefix_lens, suffixes, pad_id)
+    stats.prefill_tokens += sum(len(p) for p in prefixes) + sum(map(len, suffixes))
     next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
     if repeat > 1:
         cache.batch_repeat_interleave(repeat)
@@ -227,10 +238,13 @@ def prefill_continuations(model, prompts: list[list[int]], generated: list[list[
 
 @torch.inference_mode()
 def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
-                 stats: GenerationStats | None = None, until_finished: float = 1.0) -> Decoding:
+                 stats: GenerationStats | None = None, until_finished: float = 1.0,
+                 on_leave: Callable[[Decoding, torch.Tensor], None] | None = None) -> Decoding:
     """Decode until every sequence is done, or until the finished fraction reaches
     ``until_finished`` (then ``dec`` holds the rest, ready to resume). A sequence that
-    emits EOS or spends its budget leaves the batch and the KV cache at once."""
+    emits EOS or spends its budget leaves the batch and the KV cache at once; just before,
+    ``on_leave(dec, rows)`` sees the batch rows that leave, their cache still in place
+    (without their last sampled token, which never ran through the model)."""
     stats = stats if stats is not None else GenerationStats()
     started = time.perf_counter()
     while len(dec.live):
@@ -244,7 +258,10 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
         for seq in dec.live[stopped].tolist():
             dec.reasons[seq] = "stop"
         dec.budget = dec.budget - 1
-        keep = (~(stopped | (dec.budget <= 0))).nonzero().squeeze(-1)
+        leaving = stopped | (dec.budget <= 0)
+        if on_leave is not None and bool(leaving.any()):
+            on_leave(dec, leaving.nonzero().squeeze(-1))
+        keep = (~leaving).nonzero().squeeze(-1)
         if len(keep) < len(dec.live):  # finished sequences leave the batch and the cache
             if len(keep) == 0:
                 dec.live = keep

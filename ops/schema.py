@@ -8,6 +8,8 @@ history of each sample.
     prompts   --generate-->            rollouts   (one row per (prompt, sample))
     rollouts  --reward-->              scored     (+ reward, reward_error)
     scored    --advantage-->           trainable  (+ advantage)
+
+Multi-turn generation adds the ``EPISODES`` columns to its rollouts.
 """
 
 from __future__ import annotations
@@ -54,6 +56,23 @@ SCORED = pa.schema(
 TRAINABLE = pa.schema(list(SCORED) + [pa.field("advantage", pa.float32(), nullable=False)])
 
 FINISH_REASONS = ("stop", "length")
+
+# Multi-turn rollouts (ops/episode.py) append these to ROLLOUTS. ``response_ids`` is then the
+# whole trajectory after the prompt: each turn's ids as generated, each observation's ids as
+# tokenized, in order; ``loss_mask`` is 1 on generated tokens and 0 on observation tokens,
+# whose ``logprobs`` are 0 (no behaviour policy produced them). The update trains on the
+# tokens of ``loss_mask`` only. ``finish_reason`` adds "turns" (max turns reached) and "error"
+# (the environment failed; ``env_error`` says how).
+EPISODES = pa.schema(
+    [
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("turns", pa.int32(), nullable=False),
+        pa.field("env_reward", pa.float64(), nullable=False),  # sum of the steps' rewards
+        pa.field("env_error", pa.string()),  # null when every environment call succeeded
+        pa.field("env_seconds", pa.float64(), nullable=False),  # inside environment calls
+    ]
+)
+EPISODE_FINISH_REASONS = (*FINISH_REASONS, "turns", "error")
 
 
 def check_columns(table: pa.Table, schema: pa.Schema, where: str) -> None:

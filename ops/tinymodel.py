@@ -7,7 +7,9 @@ model.safetensors, tokenizer.json, the chat template) plus the task's prompt fil
 1. a byte-level BPE tokenizer trained with ``tokenizers`` on the task's own text;
 2. a ``LlamaForCausalLM`` of about a million parameters (Llama rather than Qwen2 because
    ``AutoTokenizer`` keeps our token ids for ``model_type: llama``);
-3. a short supervised warm start on the noisy demonstrations of ``ops.tinytask``.
+3. a short supervised warm start on the noisy demonstrations of the task: ``ops.tinytask``
+   (single-turn, the default) or ``ops.tinytool`` (multi-turn tool use); ``TASK_RECIPES``
+   maps the configuration's ``task`` to its recipe.
 
 The build is deterministic for a seed and cached under a key that hashes the recipe, so a
 changed recipe never reuses a stale model. The directory is written to a temporary name and
@@ -30,7 +32,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlhfless.ops.tinytask import TallyTask, corpus_lines, make_splits
+from rlhfless.ops import tinytask, tinytool
+from rlhfless.ops.tinytask import TallyTask
+from rlhfless.ops.tinytool import TallyToolTask
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 CHAT_TEMPLATE = (
@@ -43,7 +47,7 @@ CHAT_TEMPLATE = (
 class TinyRecipe:
     """Everything that determines the built model; its hash names the cache entry."""
 
-    task: TallyTask = field(default_factory=TallyTask)
+    task: TallyTask | TallyToolTask = field(default_factory=TallyTask)
     vocab_size: int = 512
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -59,6 +63,17 @@ class TinyRecipe:
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+TASK_RECIPES = {  # config key ``task``: the recipe of the embedded model that learns it
+    "tally": TinyRecipe(),
+    "tally-tool": TinyRecipe(task=TallyToolTask()),
+}
+
+
+def _task_module(task: TallyTask | TallyToolTask):
+    """The module that makes the task's prompts, demonstrations and tokenizer corpus."""
+    return tinytool if isinstance(task, TallyToolTask) else tinytask
 
 
 def default_cache_dir() -> Path:
@@ -96,7 +111,8 @@ def build_tokenizer(recipe: TinyRecipe) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_lines(recipe.task, recipe.seed), trainer=trainer)
+    corpus = _task_module(recipe.task).corpus_lines(recipe.task, recipe.seed)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -126,32 +142,42 @@ def build_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> Llama
     return LlamaForCausalLM(config)
 
 
+def _demo_tokens(row: dict, tokenizer) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a demonstration: the prompt, then its ``response`` or its
+    multi-turn ``segments`` ([text, trained], each part tokenized on its own, as the rollout
+    loop does; EOS after every trained part); untrained tokens get label -100."""
+    eos = tokenizer.eos_token_id
+    parts = [(row["prompt"], False)] + ([tuple(s) for s in row["segments"]]
+                                        if "segments" in row else [(row["response"], True)])
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in parts:
+        part = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if trained else [])
+        ids += part
+        labels += part if trained else [-100] * len(part)
+    return ids, labels
+
+
 def _sft_batches(rows: list[dict], tokenizer, recipe: TinyRecipe):
     """Endless shuffled batches: (input_ids [B, T], labels [B, T]) with the prompt masked."""
-    eos = tokenizer.eos_token_id
-    encoded = []
-    for row in rows:
-        p = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
-        encoded.append((p, r))
+    encoded = [_demo_tokens(row, tokenizer) for row in rows]
     rng = random.Random(recipe.seed)
     window = recipe.sft_batch * 16
     while True:
         rng.shuffle(encoded)
         chunks = []
         for w in range(0, len(encoded), window):  # similar lengths per batch: less padding
-            part = sorted(encoded[w : w + window], key=lambda pr: len(pr[0]) + len(pr[1]))
+            part = sorted(encoded[w : w + window], key=lambda demo: len(demo[0]))
             size = recipe.sft_batch
             chunks += [part[i : i + size] for i in range(0, len(part) - size + 1, size)]
         rng.shuffle(chunks)
         for chunk in chunks:
-            width = max(len(p) + len(r) for p, r in chunk)
+            width = max(len(seq) for seq, _ in chunk)
             ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
             labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-            for i, (p, r) in enumerate(chunk):
-                seq = p + r
+            for i, (seq, lab) in enumerate(chunk):
                 ids[i, : len(seq)] = torch.tensor(seq)
-                labels[i, len(p) : len(seq)] = torch.tensor(r)
+                labels[i, : len(seq)] = torch.tensor(lab)
             yield ids, labels
 
 
@@ -195,7 +221,7 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
 
 def build_tiny_model(out: Path, recipe: TinyRecipe, log=print) -> None:
     """Build tokenizer, model and prompt files into ``out`` (an empty directory)."""
-    splits = make_splits(recipe.task, recipe.seed)
+    splits = _task_module(recipe.task).make_splits(recipe.task, recipe.seed)
     tokenizer = build_tokenizer(recipe)
     model = build_model(recipe, tokenizer)
     log(f"built tiny model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")

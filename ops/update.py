@@ -7,6 +7,9 @@ For every response token t of every sequence::
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator)
     loss    = sum_t (pg_t + kl_coef * kl_t) / (response tokens in the batch)
 
+Multi-turn rollouts carry a ``loss_mask``: the sums then run over generated tokens only, and
+observation tokens (whose ``logprobs`` are placeholders) add no term to the loss or the KL.
+
 Token-level aggregation: every token of the batch weighs the same, whichever sequence it
 belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
 ``micro_batch_tokens`` padded tokens and their gradients accumulated, so memory is bounded by
@@ -100,6 +103,19 @@ def _scatter_rows(values: list[list[float]], scored: torch.Tensor) -> torch.Tens
     return out
 
 
+def loss_masks(trainable: pa.Table) -> list[list[int]] | None:
+    """Per row, 1 for each response token the loss trains on (``loss_mask`` of multi-turn
+    rollouts, ``schema.EPISODES``); None when the table has no such column (every token)."""
+    if "loss_mask" not in trainable.column_names:
+        return None
+    masks = trainable.column("loss_mask").to_pylist()
+    for row, (m, r) in enumerate(zip(masks, trainable.column("response_ids").to_pylist())):
+        if len(m) != len(r):
+            raise ValueError(f"update_policy: row {row} has {len(r)} response tokens but "
+                             f"{len(m)} loss-mask entries")
+    return masks
+
+
 def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                   params: UpdateParams, pad_id: int, ref_model=None,
                   ranks: Ranks | None = None) -> dict:
@@ -121,8 +137,9 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
             raise ValueError(
                 f"update_policy: row {row} has {len(r)} response tokens but {len(b)} logprobs"
             )
+    masks = loss_masks(trainable)
     keep = [i for i, r in enumerate(responses) if r]
-    n_tokens = sum(len(responses[i]) for i in keep)
+    n_tokens = sum(sum(masks[i]) for i in keep) if masks else sum(len(responses[i]) for i in keep)
     if n_tokens == 0:
         raise ValueError("update_policy: the batch has no response tokens")
     if ranks is not None:  # this rank's groups; the loss still divides by the batch's tokens
@@ -149,6 +166,8 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
             logp, scored = response_logprobs(model, mb_prompts, mb_responses, pad_id,
                                              params.temperature)  # [B, R]
             old = _scatter_rows([behaviour[i] for i in mb], scored)
+            if masks:  # multi-turn: observation tokens take no part in the loss
+                scored = scored & (_scatter_rows([masks[i] for i in mb], scored) > 0)
             adv = torch.tensor([advantages[i] for i in mb], device=device)[:, None]  # [B, 1]
             if params.tis_cap is not None and k not in prox:  # no step yet: the trainer's own
                 prox[k] = logp.detach()

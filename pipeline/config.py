@@ -19,6 +19,8 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_timedelta
 
+from rlhfless.ops.env import BUILTIN_ENVIRONMENTS
+
 from .security import check_security
 
 CHOICES = {
@@ -33,6 +35,7 @@ CHOICES = {
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
+    "task": ("tally", "tally-tool"),
 }
 
 # a run name is one path component: runs/<name>/ never points outside runs/
@@ -63,6 +66,14 @@ class Config:
     on_bad_row: str = "error"
     on_long_prompt: str = "skip"
     require_answers: bool = True  # a prompt without ground truth is a bad row
+    task: str = "tally"  # with model = "tiny": the embedded task (tally-tool: multi-turn)
+    # multi-turn rollouts (ops/episode.py): on when an environment is set (or task needs one)
+    environment: str = ""  # "python", "tally-tool" or "module:Class"; empty: single-turn
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
+    max_turns: int = 4
+    max_turn_tokens: int = 64
+    max_episode_tokens: int = 192  # generated + observation tokens after the prompt
+    env_step_timeout_s: float = 10.0  # per environment call; over it ends the episode
     # algorithm
     algorithm: str = "grpo"
     batch_prompts: int = 32  # prompts per iteration
@@ -144,11 +155,12 @@ class Config:
                 raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
                     "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
-                    "heldout_prompts", "eval_every", "max_prompt_tokens")
+                    "heldout_prompts", "eval_every", "max_prompt_tokens", "max_turns",
+                    "max_turn_tokens", "max_episode_tokens")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
-        for key in ("temperature", "lr", "reward_timeout_s"):
+        for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         if not 0 <= self.lambda_cost <= 1 or not 0 < self.tau_migrate <= 1:
@@ -200,6 +212,13 @@ class Config:
         if self.lora_rank and self.backend == "vllm":
             raise ConfigError("lora_rank > 0 runs with backend = 'hf': loading published "
                               "adapters into vLLM is not built yet")
+        if self.environment and ":" not in self.environment \
+                and self.environment not in BUILTIN_ENVIRONMENTS:
+            raise ConfigError(f"environment = {self.environment!r}: use one of "
+                              f"{sorted(BUILTIN_ENVIRONMENTS)} or 'package.module:Class'")
+        if self.backend == "vllm" and self.episode_environment:
+            raise ConfigError("multi-turn rollouts (environment) run on backend = 'hf': the "
+                              "episode loop keeps each turn's KV cache in our decode loop")
         if self.backend == "vllm" and self.policy == "elastic":
             raise ConfigError("backend = 'vllm' runs with policy = 'static': the elastic "
                               "policy pauses and migrates the hf decode loop mid-batch")
@@ -207,6 +226,13 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
+
+    @property
+    def episode_environment(self) -> str:
+        """The environment of multi-turn rollouts ("": single-turn generation)."""
+        if self.environment:
+            return self.environment
+        return "tally-tool" if self.task == "tally-tool" and self.model == "tiny" else ""
 
     @property
     def overlaps(self) -> bool:

@@ -26,11 +26,12 @@ from distributed import get_task_stream
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from rlhfless.ops.episode import EpisodeParams
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import LoadResult, read_prompts
 from rlhfless.ops.lora import LoraSpec
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
 from rlhfless.ops.update import UpdateParams
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.predictor import LengthPredictor
@@ -129,7 +130,7 @@ class Specs:
 
 def resolve_model(cfg: Config, log=print) -> Path:
     if cfg.model == "tiny":
-        return ensure_tiny_model(log=log)
+        return ensure_tiny_model(recipe=TASK_RECIPES[cfg.task], log=log)
     path = Path(cfg.model)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model = {cfg.model!r}: no Hugging Face config.json there")
@@ -145,10 +146,12 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
                           max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
+    episodes = episode_params(cfg)
     return Specs(
-        gen=GenSpec(gen_engine, cfg.n_samples, sampling, cfg.share_prefixes),
+        gen=GenSpec(gen_engine, cfg.n_samples, sampling, cfg.share_prefixes,
+                    episodes=episodes),
         eval=GenSpec(gen_engine, 1, SamplingParams(cfg.max_new_tokens, greedy=True),
-                     cfg.share_prefixes),
+                     cfg.share_prefixes, episodes=episodes),
         reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
@@ -156,6 +159,14 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
                         parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
                         gradient_checkpointing=cfg.gradient_checkpointing),
     )
+
+
+def episode_params(cfg: Config) -> EpisodeParams | None:
+    """Multi-turn rollouts' settings, or None for single-turn generation."""
+    if not cfg.episode_environment:
+        return None
+    return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
+                         cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s)
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,

@@ -33,6 +33,10 @@ def rollout_metrics(scored: pa.Table) -> dict:
             "finished_frac": float(np.mean(
                 np.array(scored.column("finish_reason").to_pylist()) == "stop")),
         }
+    if "turns" in scored.column_names and len(scored):  # multi-turn episodes
+        reasons = scored.column("finish_reason").to_pylist()
+        out |= {"turns_mean": float(np.mean(scored.column("turns").to_numpy())),
+                **{f"episodes_{r}": reasons.count(r) for r in sorted(set(reasons))}}
     if "advantage" in scored.column_names:
         out |= advantage_summary(scored)
     return out

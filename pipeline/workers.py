@@ -30,6 +30,7 @@ from distributed import get_worker
 
 from rlhfless.ops.advantage import compute_advantages
 from rlhfless.ops.backend import GenerationBackend, HFBackend, make_backend
+from rlhfless.ops.episode import EpisodeParams, run_episodes, score_episodes
 from rlhfless.ops.forward import enable_checkpointing
 from rlhfless.ops.generate import (
     Decoding,
@@ -71,6 +72,7 @@ class GenSpec:
     sampling: SamplingParams
     share_prefixes: bool = True
     max_staleness: int = 0  # async: versions the engine may lag the consuming trainer
+    episodes: EpisodeParams | None = None  # multi-turn rollouts against an environment
 
 
 @dataclass(frozen=True)
@@ -157,18 +159,34 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
     need = weights.version if target_version is None else target_version
     require_version(engine.version, need, f"worker {_worker_name()}", spec.max_staleness)
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+    if spec.episodes is not None:
+        return _episodes(engine, shard, spec, params, cold)
     table, stats = engine.generate(shard, spec.n_samples, params, worker=_worker_name(),
                                    share_prefixes=spec.share_prefixes)
     engine.sleep()  # colocated engines free the device for the trainer
     return _with_stats(table, stats, cold)
 
 
-def _with_stats(table: pa.Table, stats: GenerationStats, cold: float) -> pa.Table:
+def _with_stats(table: pa.Table, stats: GenerationStats, cold: float,
+                extra: dict | None = None) -> pa.Table:
     meta = {"prefill_tokens": stats.prefill_tokens, "prefill_seconds": stats.prefill_seconds,
             "decode_tokens": stats.decode_tokens, "decode_steps": stats.decode_steps,
             "decode_seconds": stats.decode_seconds, "gen_seconds": stats.seconds,
-            "cold_start_s": cold}
+            "cold_start_s": cold, **(extra or {})}
     return table.replace_schema_metadata({k: str(v) for k, v in meta.items()})
+
+
+def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
+              params: SamplingParams, cold: float) -> pa.Table:
+    """Multi-turn rollouts of a shard (``ops/episode.py``); generation seconds and
+    environment seconds are reported apart (``gen_seconds``, ``env_seconds``)."""
+    if not isinstance(engine, HFBackend):
+        raise TypeError("multi-turn rollouts need backend 'hf'")
+    stats = GenerationStats()
+    table, episodes = run_episodes(engine.model, engine.tokenizer, shard, spec.n_samples,
+                                   params, spec.episodes, policy_version=engine.version,
+                                   worker=_worker_name(), stats=stats)
+    return _with_stats(table, stats, cold, episodes.as_dict())
 
 
 # ---- chunked generation (elastic policy): cut at tau, then resume here or migrate ----
@@ -200,6 +218,8 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     engine, cold = _hf_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {_worker_name()}")
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+    if spec.episodes is not None:  # episodes run whole: there is no tail to cut
+        return {"done": _episodes(engine, shard, spec, params, cold), "cut": shard.slice(0, 0)}
     stats, start = GenerationStats(), time.time()
     rows = expand_samples(shard, spec.n_samples)
     tok = engine.tokenizer
@@ -265,6 +285,8 @@ def resolve_reward(name: str):
 
 
 def reward_task(rollouts: pa.Table, spec: RewardSpec) -> pa.Table:
+    if "env_reward" in rollouts.column_names:  # episodes: their environment scored them
+        return score_episodes(rollouts).replace_schema_metadata(rollouts.schema.metadata)
     fns = {source: resolve_reward(name) for source, name in spec.rewards.items()}
     scored = score(rollouts, fns, default=spec.default, timeout_s=spec.timeout_s,
                    fallback=spec.fallback)
