@@ -101,7 +101,7 @@ def resume_config(run_path: str | Path, overrides: list[str] = ()) -> Config:
 # how it recovers, and where its batch jobs run; every other key shapes what it learns
 RESUMABLE = ("iterations", "max_wall_s", "eval_every", "checkpoint_every", "keep_checkpoints",
              "max_recoveries", "job_start_timeout_s", "walltime", "worker_lifetime", "queue",
-             "account", "job_prologue")
+             "account", "job_prologue", "train_workers")  # checkpoints reshard N -> M ranks
 
 
 def config_changes(cfg: Config) -> dict[str, dict[str, Any]]:
