@@ -34,13 +34,12 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
 from rlhfless.ops.update import UpdateParams
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.predictor import LengthPredictor
-from rlhfless.schedulers.throughput import ThroughputModel
+from rlhfless.schedulers.policy import ElasticPolicy
 
 from .cluster import PoolCluster, pools_from_config
 from .config import Config, ConfigError
 from .deploy import deployment_from_config
-from .elastic import ElasticGeneration, ElasticState
+from .elastic import ElasticGeneration
 from .graph import iteration_graph, rollout_graph
 from .inputs import check_inputs
 from .metrics import iteration_record
@@ -289,13 +288,11 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
     return record | facts, table, new_weights
 
 
-def observe_lengths(predictor: LengthPredictor, table: pa.Table) -> dict:
+def observe_lengths(policy: ElasticPolicy, table: pa.Table) -> dict:
     """Log the predictor's error on this batch (predicted before it saw it), then learn."""
     ids = table.column("prompt_id").to_pylist()
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    error = predictor.error(ids, lengths)
-    predictor.observe(ids, lengths)
-    return {f"len_pred_{k}": v for k, v in error.items()}
+    return {f"len_pred_{k}": v for k, v in policy.observe_lengths(ids, lengths).items()}
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
@@ -323,15 +320,15 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
     weights = WeightsRef(0, str(model_path))
     ledger = CostLedger(cfg.prices)
-    state = ElasticState(LengthPredictor(alpha=cfg.ewma_alpha), ThroughputModel())
+    policy = ElasticPolicy(cfg.elastic_knobs())
     pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
     deployment = deployment_from_config(cfg, run.path)
     with (PoolCluster(pools, ledger, deployment=deployment) as pc,
           observed(run, pc.dashboard_link, on_metrics)):
         log(f"dashboard: {pc.dashboard_link}")
-        eg = ElasticGeneration(pc, cfg, run, state)
+        eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
-        done, weights = durable.start(sampler, state, weights, ledger, resume=resume)
+        done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
@@ -351,11 +348,11 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                                                            iteration, specs, cfg)
                 durable.check_trainer()
             except Exception as err:  # re-raised unless the trainer was lost
-                done, weights = durable.recover(err, sampler, state)
+                done, weights = durable.recover(err, sampler, policy)
                 continue
             pc.sync_events()
             ledger.mark("iteration", iteration, t0, time.time())
-            record |= observe_lengths(state.predictor, table)
+            record |= observe_lengths(policy, table)
             record |= worker_seconds(ledger, t0, time.time())
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
@@ -364,7 +361,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                 accuracy = evaluate(pc, heldout, weights, specs, cfg)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
-            done, weights = durable.after_iteration(iteration, weights, sampler, state, ledger)
+            done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                             heldout=f"{accuracy['heldout_accuracy']:.2f}")

@@ -32,7 +32,7 @@ from .observe import dashboard_status
 from .runs import RunDir
 
 SUMMARY_KEYS = ("algorithm", "policy", "mode", "cluster", "backend", "batch_prompts",
-                "n_samples", "max_new_tokens", "gen_workers", "lambda_cost", "tau_migrate")
+                "n_samples", "max_new_tokens", "gen_workers", "lambda_cost", "tau")
 
 
 @dataclass

@@ -116,7 +116,7 @@ def test_elastic_run_scales_and_loses_no_sample(tiny_model_dir, tmp_path):
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), iterations=2,
                  batch_prompts=8, n_samples=3, max_new_tokens=16, heldout_prompts=8,
                  eval_every=2, policy="elastic", gen_workers=2, lambda_cost=1.0,
-                 tau_migrate=0.5, keep_alive_s=0.0, train_threads=1)
+                 tau=0.5, keep_alive_s=0.0, train_threads=1)
     run = train(cfg, progress=False, log=lambda *_: None)
     decisions = run.read_jsonl("decisions.jsonl")
     kinds = Counter(d["kind"] for d in decisions)
