@@ -76,11 +76,7 @@ class ElasticGeneration:
                                     keep_warm=len(warm), max_workers=self.cfg.gen_workers,
                                     fixed_seconds=after, fixed_cost_ws=after)
         n = decision.n_workers
-        if n > len(warm):
-            self.pc.grow("gen", n - len(warm))
-        elif n < len(warm):
-            self.pc.retire(warm[n:])
-        workers = self.pc.worker_names("gen")
+        workers = self.pc.scale("gen", n, close=warm[n:])
         record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),
                   "to": len(workers), "prompts": len(ids),
                   "reason": f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",

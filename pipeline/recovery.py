@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from rlhfless.schedulers.policy import ElasticPolicy
 
     from .cluster import PoolCluster
-    from .loop import PromptSampler
+    from .sampler import PromptSampler
 
 TRAINER_WAIT_S = 300.0  # how long a trainer may take to come back after a crash
 FORGET_WAIT_S = 30.0  # how long the scheduler may take to drop an abandoned iteration
