@@ -1,4 +1,4 @@
-"""The generation backend protocol, and its transformers implementation.
+"""The generation backends: the transformers one, and ``make_backend`` to pick one.
 
 A generation worker holds one backend in worker-local state (``pipeline/workers.py``) and
 drives it in this order:
@@ -17,16 +17,17 @@ drives it in this order:
 token, and a ``GenerationStats``. A backend never serves KV computed by older weights:
 ``set_weights`` resets whatever prefix cache it keeps.
 
-``HFBackend`` is our own decode loop (``generate.py``) over a transformers causal LM: the
-shared-prefix KV is computed per call and dropped with it, so it keeps no cache between
-calls, and sleeping is not needed on CPU. ``VLLMBackend`` (``vllm_backend.py``) is imported
-only when asked for, so that vLLM stays an optional dependency.
+The protocol (``GenerationBackend``) is in ``backend_protocol.py``, where every backend
+(``vllm_backend.py`` too) takes it from. ``HFBackend`` is our own decode loop
+(``generate.py``) over a transformers causal LM: the shared-prefix KV is computed per call
+and dropped with it, so it keeps no cache between calls, and sleeping is not needed on CPU.
+``VLLMBackend`` (``vllm_backend.py``) is imported only when asked for, so that vLLM stays
+an optional dependency.
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,58 +35,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from .backend_protocol import GenerationBackend
 from .generate import GenerationStats, SamplingParams, generate_rollouts
 from .lora import LoraSpec, add_adapters
 from .publish import WeightsRef, load_weights
 
 BACKENDS = ("hf", "vllm")
-
-
-class GenerationBackend(ABC):
-    """A generation engine on one worker; see the module docstring for the call order."""
-
-    #: policy version of the weights the engine holds (0: as loaded from ``model_path``)
-    version: int = 0
-    #: seconds ``load`` took (the cold start), 0 before it ran
-    load_seconds: float = 0.0
-
-    @abstractmethod
-    def load(self) -> None:
-        """Load model and tokenizer. Called once per worker process, before anything else;
-        may take long (weights, device memory, compilation): the caller measures it."""
-
-    @abstractmethod
-    def set_weights(self, ref: WeightsRef) -> None:
-        """Replace the weights in place with version ``ref.version`` (a published file, or
-        the model directory for version 0) and reset the prefix cache. Called before a
-        ``generate`` whose task needs another version than ``version``."""
-
-    @abstractmethod
-    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
-                 worker: str = "local",
-                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
-        """``n_samples`` responses to every prompt (``prompt_ids``; ``prefix_len`` when
-        ``share_prefixes``), with behaviour logprobs; rows prompt-major. ``params.seed``
-        makes the draw reproducible on one backend and device."""
-
-    @abstractmethod
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix KV. Called by ``set_weights``; may be called any time
-        no request is running."""
-
-    @abstractmethod
-    def sleep(self) -> None:
-        """Release device memory (weights offloaded, KV dropped) if the engine shares its
-        device with the trainer; otherwise nothing. Called after every ``generate``."""
-
-    @abstractmethod
-    def wake(self) -> None:
-        """Undo ``sleep``; nothing when awake. Called before ``set_weights``/``generate``."""
-
-    @property
-    @abstractmethod
-    def tokenizer(self):
-        """The tokenizer (``pad_token_id``, ``eos_token_id``, ``batch_decode``)."""
 
 
 def resolve_device(name: str) -> torch.device:

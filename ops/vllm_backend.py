@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 from safetensors.torch import load_file
 
-from .backend import GenerationBackend
+from .backend_protocol import GenerationBackend
 from .generate import GenerationStats, SamplingParams, expand_samples, rollouts_table
 from .publish import WeightsRef
 from .schema import PROMPTS, check_columns

@@ -1,38 +1,33 @@
-"""Pools of workers inside one Dask ``SpecCluster``.
+"""Pools of workers inside one Dask ``SpecCluster``, the generation pool scaled adaptively.
 
 Dask has one worker type; an RL iteration needs several: generation workers (resource
 ``GEN=1``) and a trainer (``TRAIN=1``), each with its own threads. A ``Pool`` is a worker
-template; ``PoolCluster`` keeps one entry per worker in the cluster's ``worker_spec`` named
-``<pool>-<i>``, so one scheduler serves every pool and a pool is resized by editing its
-entries. Which SpecCluster, and what one worker's entry is, comes from a ``Deployment``
-(``deploy.py``): a ``LocalCluster`` of worker processes on this machine, or a dask-jobqueue
-``SLURMCluster`` / ``PBSCluster`` whose entries are batch jobs with per-pool directives; the
-growing, retiring and billing below are the same for both.
+template (``deploy.py``); the cluster, made by a ``Deployment`` (a ``LocalCluster`` of
+worker processes on this machine, or a dask-jobqueue ``SLURMCluster`` / ``PBSCluster`` whose
+workers are batch jobs), names its workers ``<pool>-<i>`` and grows a pool through
+SpecCluster's own ``scale`` (``deploy.PoolScaling``).
+
+The generation pool scales through Dask's adaptive machinery: ``PoolAdaptive``
+(``schedulers/dask_adaptive.py``), installed with ``cluster.adapt``, reads its target from the
+scheduler's ``ElasticityPlugin``; ``scale`` sets that target (the elastic policy's count)
+and runs one adaptive step at once instead of waiting for the next periodic one. Retiring
+honours the plugin's veto. The fixed pools (the trainer) grow by ``scale_pool``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from distributed import Client
 
-from rlhfless.schedulers.dask_plugin import ElasticityPlugin, drain_events, retirable
+from rlhfless.schedulers.dask_adaptive import PoolAdaptive
+from rlhfless.schedulers.dask_plugin import ElasticityPlugin, drain_events, pool_of, set_pool_target
 from rlhfless.schedulers.ledger import CostLedger
 
 from .config import Config
-from .deploy import Deployment, LocalDeployment
+from .deploy import Deployment, LocalDeployment, Pool
 
-
-@dataclass(frozen=True)
-class Pool:
-    name: str
-    size: int
-    threads: int  # Dask threads per worker = torch threads of its engine
-    resources: dict[str, float] = field(default_factory=dict)
-    memory: str = "4GiB"
-    gpus: int = 0  # GPUs per worker: a batch job asks for them (--gres=gpu:N / ngpus=N)
-    directives: tuple[str, ...] = ()  # extra batch-job directives of this pool
+ADAPT_INTERVAL_S = 1.0  # Adaptive's periodic check; scale() does not wait for it
 
 
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
@@ -46,28 +41,28 @@ def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
     ]
 
 
-def pool_of(worker_name: str) -> str:
-    return worker_name.rsplit("-", 1)[0]
-
-
 class PoolCluster:
     """A SpecCluster whose workers are the members of named pools.
 
     Every start and stop goes to the ``CostLedger``: billing starts when a worker is
-    requested (process start and model load are part of its cold start) and ends when the
-    scheduler sees it leave. ``ElasticityPlugin`` reports arrivals, departures and task spans.
+    requested (process start and model load are part of its cold start) and ends when its
+    process has exited (or the scheduler saw it leave). ``ElasticityPlugin`` reports
+    arrivals and departures.
     """
 
     def __init__(self, pools: list[Pool], ledger: CostLedger, host: str = "127.0.0.1",
                  dashboard_address: str = "127.0.0.1:0",
-                 deployment: Deployment | None = None) -> None:
+                 deployment: Deployment | None = None, adaptive_pool: str = "gen") -> None:
         self.pools = {p.name: p for p in pools}
         self.ledger = ledger
-        self.task_events: list[tuple] = []
-        self._next_index = dict.fromkeys(self.pools, 0)
         self.deployment = deployment or LocalDeployment(host, dashboard_address)
         self.cluster = self.deployment.make_cluster([ElasticityPlugin()])
+        self.cluster.set_pools({p.name: (lambda name, p=p: self.deployment.worker_spec(p, name))
+                                for p in pools})
         self.client = Client(self.cluster)
+        self.adaptive_pool = adaptive_pool
+        self.adaptive = self.cluster.adapt(Adaptive=PoolAdaptive, pool=adaptive_pool,
+                                           interval=ADAPT_INTERVAL_S, wait_count=1)
         try:
             names = [n for pool in pools for n in self.grow(pool.name, pool.size, wait=False)]
             self.wait_for(names)
@@ -76,8 +71,7 @@ class PoolCluster:
             raise
 
     def worker_names(self, pool: str) -> list[str]:
-        return sorted((n for n in self.cluster.worker_spec if pool_of(n) == pool),
-                      key=lambda n: int(n.rsplit("-", 1)[1]))
+        return self.cluster.pool_members(pool)
 
     def connected(self) -> set[str]:
         """Names of the workers connected to the scheduler now."""
@@ -90,20 +84,47 @@ class PoolCluster:
                 return address
         raise KeyError(f"worker {name!r} is not connected")
 
-    def grow(self, pool: str, n: int, wait: bool = True) -> list[str]:
-        """Start ``n`` more workers of ``pool``; returns their names.
+    def scale(self, pool: str, n: int, close: list[str] = ()) -> list[str]:
+        """Set the adaptive pool's target to ``n`` (``close``: which workers to close first)
+        and apply it now; returns the pool's workers after. A worker the plugin vetoes stays,
+        and the target follows what the pool became, so that no later adaptive step closes
+        a worker the caller goes on to use."""
+        if pool != self.adaptive_pool:
+            raise ValueError(f"scale({pool!r}): only pool {self.adaptive_pool!r} is adaptive")
+        self.sync_events()  # arrivals first, so that the ledger knows every worker
+        before, requested = set(self.worker_names(pool)), time.time()
+        self.client.run_on_scheduler(set_pool_target, pool=pool, n=n, close=list(close))
+        for _ in range(3):  # an adaptive step already under way makes this one a no-op
+            self.cluster.sync(self.adaptive.adapt)
+            if len(self.worker_names(pool)) == n:
+                break
+            time.sleep(0.05)
+        after = self.worker_names(pool)
+        self.client.run_on_scheduler(set_pool_target, pool=pool, n=len(after))
+        added = sorted(set(after) - before, key=after.index)
+        for name in added:
+            self.ledger.worker_started(name, pool, requested)
+        gone = sorted(before - set(after))
+        self._wait_gone(gone)  # batch jobs: cancelled, and their workers gone
+        stopped = time.time()
+        for name in gone:
+            if name in self.ledger.running():
+                self.ledger.worker_stopped(name, stopped)
+        self.wait_for(added)
+        return after
 
-        A name is never reused: SpecCluster closes a lost worker by name after a delay, which
-        would stop a new worker of the same name that has not connected yet (a queued job)."""
-        spec, names = self.pools[pool], []
-        for _ in range(n):
-            name = f"{pool}-{self._next_index[pool]}"
-            self._next_index[pool] += 1
-            self.cluster.worker_spec[name] = self.deployment.worker_spec(spec, name)
-            self.ledger.worker_started(name, pool, time.time())
-            names.append(name)
-        # SpecCluster.scale applies worker_spec edits the same way
-        self.cluster.sync(self.cluster._correct_state)
+    def grow(self, pool: str, n: int, wait: bool = True) -> list[str]:
+        """Start ``n`` more workers of ``pool``; returns their names."""
+        if pool == self.adaptive_pool and wait:
+            before = self.worker_names(pool)
+            return [w for w in self.scale(pool, len(before) + n) if w not in before]
+        names = self.cluster.scale_pool(pool, len(self.worker_names(pool)) + n)
+        requested = time.time()
+        for name in names:
+            self.ledger.worker_started(name, pool, requested)
+        if pool == self.adaptive_pool:
+            self.client.run_on_scheduler(set_pool_target, pool=pool,
+                                         n=len(self.worker_names(pool)))
         if wait and names:
             self.wait_for(names)
         return names
@@ -126,24 +147,15 @@ class PoolCluster:
         self.sync_events()
 
     def retire(self, names: list[str]) -> list[str]:
-        """Retire those of ``names`` that no scheduler plugin vetoes (a worker running a task
-        or holding state a waiting task needs stays); their results move to other workers
-        first. Returns the names retired."""
-        self.sync_events()  # arrivals first, so that the ledger knows every worker
-        allowed = self.client.run_on_scheduler(retirable, names=list(names))
-        if allowed:
-            # graceful: results the worker holds move to others; its nanny then stops it
-            self.client.retire_workers(names=allowed, close_workers=False, remove=False)
-            for name in allowed:
-                self.cluster.worker_spec.pop(name, None)
-            self.cluster.sync(self.cluster._correct_state)  # local: the processes exited
-            self._wait_gone(allowed)  # batch jobs: cancelled, and their workers gone
-            stopped = time.time()
-            for name in allowed:
-                if name in self.ledger.running():
-                    self.ledger.worker_stopped(name, stopped)
-        self.sync_events()
-        return allowed
+        """Retire those of ``names`` (of the adaptive pool) that no scheduler plugin vetoes (a
+        worker running a task or holding state a waiting task needs stays); their results
+        move to other workers first. Returns the names retired."""
+        members = self.worker_names(self.adaptive_pool)
+        asked = [n for n in names if n in members]
+        if not asked:
+            return []
+        after = self.scale(self.adaptive_pool, len(members) - len(asked), close=asked)
+        return [n for n in asked if n not in after]
 
     def _wait_gone(self, names: list[str], timeout: float = 60.0) -> None:
         deadline = time.time() + timeout
@@ -154,13 +166,12 @@ class PoolCluster:
             time.sleep(0.1)
 
     def sync_events(self) -> None:
-        """Move the scheduler plugin's events into the ledger and ``task_events``. A worker
-        that leaves without being retired (it crashed, or the batch system ended it) stops
-        billing when the scheduler saw it go; a batch job that ended leaves its pool (the
-        policy grows the pool again if it needs to), a crashed local worker is restarted by
-        its nanny."""
+        """Move the scheduler plugin's events into the ledger. A worker that leaves without
+        being retired (it crashed, or the batch system ended it) stops billing when the
+        scheduler saw it go; a batch job that ended leaves its pool (the policy grows the
+        pool again if it needs to), a crashed local worker is restarted by its nanny."""
         ended = []
-        for kind, t, name, details in self.client.run_on_scheduler(drain_events):
+        for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
                 if name not in self.ledger.running():  # restarted by its nanny after a crash
                     self.ledger.worker_started(name, pool_of(name), t)
@@ -169,12 +180,11 @@ class PoolCluster:
                 self.ledger.worker_stopped(name, t)
                 if not self.deployment.restarts_workers and name in self.cluster.worker_spec:
                     ended.append(name)
-            elif kind == "task":
-                self.task_events.append((name, details))
         if ended:
-            for name in ended:
-                self.cluster.worker_spec.pop(name)
-            self.cluster.sync(self.cluster._correct_state)
+            self.cluster.sync(self.cluster.scale_down, ended)
+            if any(pool_of(n) == self.adaptive_pool for n in ended):
+                self.client.run_on_scheduler(set_pool_target, pool=self.adaptive_pool,
+                                             n=len(self.worker_names(self.adaptive_pool)))
 
     @property
     def dashboard_link(self) -> str:

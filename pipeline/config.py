@@ -20,6 +20,7 @@ import tomllib
 from dask.utils import parse_timedelta
 
 from rlhfless.ops.env import BUILTIN_ENVIRONMENTS
+from rlhfless.schedulers.policy import ElasticKnobs
 
 from .security import check_security
 
@@ -37,6 +38,10 @@ CHOICES = {
     "train_dtype": ("float32", "bfloat16"),
     "task": ("tally", "tally-tool"),
 }
+
+KNOBS = ElasticKnobs()
+# keys renamed since a run's config.json was written: old name -> new name
+RENAMED = {"tau_migrate": "tau"}
 
 # a run name is one path component: runs/<name>/ never points outside runs/
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -109,12 +114,13 @@ class Config:
     cluster: str = "local"
     device: str = "auto"
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
-    # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run)
-    lambda_cost: float = 0.5  # 1: fastest worker count, 0: cheapest (worker-seconds)
-    tau_migrate: float = 0.7  # completion fraction at which a shard's tail may move
-    assignment: str = "length"  # prompts of similar predicted length on one worker
-    keep_alive_s: float = -1.0  # idle seconds before retiring; < 0: break-even with cold start
-    ewma_alpha: float = 0.5  # response-length predictor
+    # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run):
+    # the knobs of schedulers/policy.py ElasticKnobs, with its defaults and reasons
+    lambda_cost: float = KNOBS.lambda_cost
+    tau: float = KNOBS.tau
+    assignment: str = KNOBS.assignment
+    keep_alive_s: float = KNOBS.keep_alive_s
+    ewma_alpha: float = KNOBS.ewma_alpha
     prices: dict[str, float] = field(default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
@@ -163,10 +169,10 @@ class Config:
         for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
-        if not 0 <= self.lambda_cost <= 1 or not 0 < self.tau_migrate <= 1:
-            raise ConfigError("lambda_cost must be in [0, 1] and tau_migrate in (0, 1]")
-        if not 0 < self.ewma_alpha <= 1:
-            raise ConfigError(f"ewma_alpha = {self.ewma_alpha} must be in (0, 1]")
+        try:
+            self.elastic_knobs()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if set(self.prices) != {"gen", "train"}:
             raise ConfigError(f"prices = {self.prices} must price exactly the pools gen, train")
         if not 0 < self.top_p <= 1:
@@ -243,6 +249,11 @@ class Config:
     def replays(self) -> bool:
         """Whether batches reuse groups from a replay buffer (modes replay, async+replay)."""
         return self.mode in ("replay", "async+replay")
+
+    def elastic_knobs(self) -> ElasticKnobs:
+        """The elastic policy's knobs of this run (the simulator takes the same)."""
+        return ElasticKnobs(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(ElasticKnobs)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -328,6 +339,7 @@ def make_config(values: dict[str, Any]) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
     checked = {}
     for key, value in values.items():
+        key = RENAMED.get(key, key)
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
         checked[key] = _coerce(key, value, hints[key])

@@ -1,8 +1,9 @@
 """Where the pools' workers run: processes on this machine, or Slurm / PBS batch jobs.
 
-A ``Deployment`` makes the one Dask ``SpecCluster`` that serves every pool, and turns a pool
-(``cluster.Pool``) into one ``worker_spec`` entry per worker. ``PoolCluster`` does the rest
-(naming workers ``<pool>-<i>``, growing, retiring, billing) the same way for every
+A ``Deployment`` makes the one Dask ``SpecCluster`` that serves every pool, with
+``PoolScaling`` mixed in (workers named ``<pool>-<i>``; ``scale_pool`` grows a pool through
+SpecCluster's own ``scale``), and turns a ``Pool`` into one ``worker_spec`` entry per worker.
+``PoolCluster`` does the rest (adaptive scaling, retiring, billing) the same way for every
 deployment, so the elastic policy scales batch jobs exactly as it scales local processes.
 
 * ``LocalDeployment``: a ``distributed.LocalCluster`` with no workers of its own; a pool's
@@ -31,19 +32,19 @@ from __future__ import annotations
 import logging
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask.utils import parse_bytes, parse_timedelta
 from distributed import LocalCluster, Nanny, SpecCluster
 from distributed.security import Security
 
+from rlhfless.schedulers.dask_plugin import pool_of
+
 from .config import Config, walltime_seconds
 from .security import make_security
-
-if TYPE_CHECKING:
-    from .cluster import Pool
 
 # what every worker of every pool is told through its environment
 WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -54,6 +55,57 @@ WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS":
 # These are the values glibc's adaptive thresholds reach by themselves on 64-bit Linux.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 JOB_SYSTEMS = ("slurm", "pbs")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A worker template: every worker of the pool is started from it."""
+
+    name: str
+    size: int
+    threads: int  # Dask threads per worker = torch threads of its engine
+    resources: dict[str, float] = field(default_factory=dict)
+    memory: str = "4GiB"
+    gpus: int = 0  # GPUs per worker: a batch job asks for them (--gres=gpu:N / ngpus=N)
+    directives: tuple[str, ...] = ()  # extra batch-job directives of this pool
+
+
+class PoolScaling:
+    """Mixed in before a SpecCluster (``LocalCluster``, dask-jobqueue's clusters): workers
+    belong to named pools, ``<pool>-<i>``, and ``scale_pool`` grows one pool through
+    SpecCluster's own ``scale``, whose ``new_worker_spec`` hook picks the pool short of its
+    count. Workers leave by name through SpecCluster's ``scale_down``. A name is never
+    reused: SpecCluster closes a lost worker by name after a delay, which would stop a new
+    worker of the same name that has not connected yet (a queued job)."""
+
+    def set_pools(self, specs: Mapping[str, Callable[[str], dict[str, Any]]]) -> None:
+        """``specs``: pool -> the ``worker_spec`` entry of a worker of that name."""
+        self.pool_specs = dict(specs)
+        self._wanted = dict.fromkeys(specs, 0)
+        self._next_index = dict.fromkeys(specs, 0)
+
+    def pool_members(self, pool: str) -> list[str]:
+        """Names of ``pool``'s workers in the cluster's plan, oldest first."""
+        return sorted((str(n) for n in self.worker_spec if pool_of(n) == pool),
+                      key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    def scale_pool(self, pool: str, n: int) -> list[str]:
+        """Grow ``pool`` to ``n`` workers (never shrinks it); returns the new names."""
+        before = set(self.worker_spec)
+        self._wanted = {p: len(self.pool_members(p)) for p in self.pool_specs}
+        self._wanted[pool] = max(n, self._wanted[pool])
+        self.scale(sum(self._wanted.values()))
+        return sorted(set(self.worker_spec) - before)
+
+    def new_worker_spec(self) -> dict[str, dict[str, Any]]:
+        pool = next(p for p, n in self._wanted.items() if len(self.pool_members(p)) < n)
+        name = f"{pool}-{self._next_index[pool]}"
+        self._next_index[pool] += 1
+        return {name: self.pool_specs[pool](name)}
+
+
+class PoolLocalCluster(PoolScaling, LocalCluster):
+    """A ``LocalCluster`` of pools."""
 
 
 class Deployment(ABC):
@@ -67,8 +119,9 @@ class Deployment(ABC):
     restarts_workers: bool = True
 
     @abstractmethod
-    def make_cluster(self, plugins: list) -> SpecCluster:
-        """A SpecCluster with no workers whose scheduler runs ``plugins``."""
+    def make_cluster(self, plugins: list) -> PoolScaling:
+        """A SpecCluster of pools (``PoolScaling``) with no workers whose scheduler runs
+        ``plugins``."""
 
     @abstractmethod
     def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
@@ -94,8 +147,8 @@ class LocalDeployment(Deployment):
     dashboard_address: str = "127.0.0.1:0"
     security: Security | None = None  # TLS of scheduler, workers and client (security.py)
 
-    def make_cluster(self, plugins: list) -> SpecCluster:
-        return LocalCluster(n_workers=0, processes=True, host=self.host,
+    def make_cluster(self, plugins: list) -> PoolScaling:
+        return PoolLocalCluster(n_workers=0, processes=True, host=self.host,
                             dashboard_address=self.dashboard_address, security=self.security,
                             silence_logs=logging.WARNING,
                             scheduler_kwargs={"plugins": plugins})
@@ -209,8 +262,9 @@ class JobQueueDeployment(Deployment):
             options["resource_spec"] = f"select=1:ncpus={pool.threads}:mem={mem}{gpus}"
         return options
 
-    def make_cluster(self, plugins: list) -> SpecCluster:
-        cluster_cls, _ = self._classes()
+    def make_cluster(self, plugins: list) -> PoolScaling:
+        jobs_cls, _ = self._classes()
+        cluster_cls = type(f"Pool{jobs_cls.__name__}", (PoolScaling, jobs_cls), {})
         s = self.settings
         scheduler: dict[str, Any] = {"dashboard_address": s.dashboard_address,
                                      "plugins": plugins}

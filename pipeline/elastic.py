@@ -1,13 +1,15 @@
 """Elastic, cost-aware generation: the RLHFless policy applied to the generation pool.
 
-Per iteration, driven from the driver with Dask futures (the graph is decided as it runs):
+Every decision is taken by ``schedulers.policy.ElasticPolicy`` (the object the simulator
+calls too); this file applies them to the live pools. Per iteration, driven from the
+driver with Dask futures (the graph is decided as it runs):
 
 1. predict each prompt's response length (EWMA, ``LengthPredictor``);
 2. choose how many generation workers to run and which prompts each gets
-   (``choose_generation_workers``: λ·time + (1-λ)·worker-seconds, from a throughput model
+   (``ElasticPolicy.plan``: λ·time + (1-λ)·worker-seconds, from a throughput model
    fitted online to this run's own timings), grow or retire the pool to that size;
 3. generate each shard in a chunk that pauses at completion fraction τ; for the paused
-   tail ``plan_migration`` decides: resume it where its KV cache is, or cut it and continue
+   tail ``ElasticPolicy.migrate`` decides: resume it where its KV cache is, or cut it and continue
    it on other workers, recomputing its prefix there;
 4. as soon as a shard is complete, score it and compute its advantages (streaming);
 5. release generation workers that would idle longer than a cold start costs (break-even
@@ -20,7 +22,6 @@ Every decision is a record (time, pool, from → to, reason, predicted vs actual
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -29,11 +30,8 @@ from distributed import as_completed
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.shard import take_shards
-from rlhfless.schedulers.assignment import assign_by_length
-from rlhfless.schedulers.migration import WorkerProgress, plan_migration
-from rlhfless.schedulers.predictor import LengthPredictor, remaining_tokens
-from rlhfless.schedulers.scaling import choose_generation_workers, round_robin
-from rlhfless.schedulers.throughput import ThroughputModel
+from rlhfless.schedulers.migration import WorkerProgress
+from rlhfless.schedulers.policy import ElasticPolicy
 
 from .cluster import PoolCluster
 from .config import Config
@@ -49,17 +47,6 @@ from .workers import (
 )
 
 
-@dataclass
-class ElasticState:
-    """What the policy learns across iterations (part of a checkpoint)."""
-
-    predictor: LengthPredictor
-    throughput: ThroughputModel
-    update_seconds: float = 1.0  # EWMA of the update's duration: the pool's idle gap
-    seen_cold_starts: int = 0
-    decisions: list[dict] = field(default_factory=list)
-
-
 def seq_id(prompt_id: str, sample_idx: int) -> str:
     return f"{prompt_id}#{sample_idx}"
 
@@ -67,42 +54,29 @@ def seq_id(prompt_id: str, sample_idx: int) -> str:
 class ElasticGeneration:
     """Generation of one iteration under the elastic policy; see the module docstring."""
 
-    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, state: ElasticState) -> None:
-        self.pc, self.cfg, self.run, self.state = pc, cfg, run, state
+    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir,
+                 policy: ElasticPolicy) -> None:
+        self.pc, self.cfg, self.run, self.policy = pc, cfg, run, policy
 
     # ---- decisions ---------------------------------------------------------------------
 
     def log(self, iteration: int, **record) -> dict:
         record = {"t": time.time(), "iteration": iteration} | record
-        self.state.decisions.append(record)
         self.run.append_jsonl("decisions.jsonl", record)
         return record
-
-    def keep_alive_s(self) -> float:
-        if self.cfg.keep_alive_s >= 0:
-            return self.cfg.keep_alive_s
-        return self.state.throughput.cold_start_s  # break-even: idling longer costs more
 
     def scale_pool(self, prompts: pa.Table, iteration: int):
         """Choose the worker count and assignment; grow or retire the pool to match."""
         ids = prompts.column("prompt_id").to_pylist()
-        pred = self.state.predictor.predict(ids)
-        pred_max = self.state.predictor.predict_max(ids)
+        pred, pred_max = self.policy.predict(ids)
         prompt_tokens = np.array([len(p) for p in prompts.column("prompt_ids").to_pylist()])
         warm = self.pc.worker_names("gen")
-        assign = assign_by_length if self.cfg.assignment == "length" else round_robin
-        decision = choose_generation_workers(
-            pred, self.cfg.n_samples, self.state.throughput, max_workers=self.cfg.gen_workers,
-            lambda_cost=self.cfg.lambda_cost, keep_warm=len(warm), assign=assign,
-            pred_max_lengths=pred_max, prompt_tokens=prompt_tokens,
-            # whole-step scoring: the update that follows, on one trainer worker
-            fixed_seconds=self.state.update_seconds, fixed_cost_ws=self.state.update_seconds)
+        after = self.policy.update_seconds  # whole-step scoring: the update, on one trainer
+        decision = self.policy.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
+                                    keep_warm=len(warm), max_workers=self.cfg.gen_workers,
+                                    fixed_seconds=after, fixed_cost_ws=after)
         n = decision.n_workers
-        if n > len(warm):
-            self.pc.grow("gen", n - len(warm))
-        elif n < len(warm):
-            self.pc.retire(warm[n:])
-        workers = self.pc.worker_names("gen")
+        workers = self.pc.scale("gen", n, close=warm[n:])
         record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),
                   "to": len(workers), "prompts": len(ids),
                   "reason": f"argmin λ·T+(1-λ)·C, λ={self.cfg.lambda_cost}",
@@ -121,7 +95,7 @@ class ElasticGeneration:
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
         ids = plan.prompts.column("prompt_id").to_pylist()
-        self.pred_max = dict(zip(ids, self.state.predictor.predict_max(ids)))
+        self.pred_max = dict(zip(ids, self.policy.predict(ids)[1]))
         self.load = {w: WorkerProgress(0, 0, busy=False) for w in workers}
         self.pending: dict[int, set] = {}
         self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
@@ -132,7 +106,7 @@ class ElasticGeneration:
                 continue
             key = f"generate-{iteration}-{i}"
             self._submit(i, worker, self.load_of(shard), generate_chunk_task, shard, weights,
-                         specs.gen, seed + i, self.cfg.tau_migrate, key, key=key)
+                         specs.gen, seed + i, self.policy.knobs.tau, key, key=key)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
@@ -189,20 +163,17 @@ class ElasticGeneration:
 
     def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
                      seed: int, iteration: int) -> int:
-        """Resume a paused tail where it is, or move it: ``plan_migration`` decides."""
+        """Resume a paused tail where it is, or move it: ``ElasticPolicy.migrate`` decides."""
         cut: pa.Table = out["cut"]
         n_done = len(out["done"])
         partial = cut.column("partial_ids").to_pylist()
         ids = [seq_id(p, s) for p, s in zip(cut.column("prompt_id").to_pylist(),
                                              cut.column("sample_idx").to_pylist())]
         cur = [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
-        rem = remaining_tokens([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
-                               [len(g) for g in partial], self.cfg.max_new_tokens)
+        rem = self.policy.remaining([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
+                                    [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
-        moves = [m for m in plan_migration(self.load, self.cfg.tau_migrate,
-                                           self.state.throughput,
-                                           lambda_cost=self.cfg.lambda_cost)
-                 if m.source == worker]
+        moves = [m for m in self.policy.migrate(self.load) if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), resume_task, key, weights,
                          specs.gen, key=f"resume-{iteration}-{shard}")
@@ -237,30 +208,26 @@ class ElasticGeneration:
         if self.load[worker].busy or worker in {w for _, w in self.where.values()}:
             return []
         busy = [p for p in self.load.values() if p.busy]
-        remaining = max((self.state.throughput.predict_worker_seconds(
-            np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0)
-        gap = remaining + self.state.update_seconds
-        if gap <= self.keep_alive_s():
+        gap = self.policy.idle_gap_s(max((self.policy.throughput.predict_worker_seconds(
+            np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0))
+        if self.policy.keeps_alive(gap):
             return []
         retired = self.pc.retire([worker])
         for name in retired:
             self.load.pop(name, None)
             self.log(iteration, pool="gen", kind="release", worker=name,
-                     reason=f"idle gap {gap:.2f}s > keep-alive {self.keep_alive_s():.2f}s")
+                     reason=f"idle gap {gap:.2f}s >= keep-alive "
+                            f"{self.policy.keep_alive_s():.2f}s")
         return retired
 
     def after_update(self, update_seconds: float, pieces_meta: list[dict]) -> None:
-        """Feed the models with what this iteration measured."""
-        s = self.state
-        s.update_seconds = 0.5 * s.update_seconds + 0.5 * update_seconds
+        """Feed the policy with what this iteration measured."""
+        self.policy.observe_after_generation(update_seconds)
         for meta in pieces_meta:
             steps = meta.get("decode_steps", 0)
             if steps:
-                s.throughput.observe_decode(meta["decode_tokens"] / steps,
-                                            meta["decode_seconds"] / steps, n_steps=int(steps))
+                self.policy.observe_decode(meta["decode_tokens"] / steps,
+                                           meta["decode_seconds"] / steps, n_steps=int(steps))
             if meta.get("prefill_tokens") and meta.get("prefill_seconds"):
-                s.throughput.observe_prefill(meta["prefill_tokens"], meta["prefill_seconds"])
-        colds = self.pc.ledger.cold_starts("gen")
-        for cold in colds[s.seen_cold_starts:]:
-            s.throughput.observe_cold_start(cold)
-        s.seen_cold_starts = len(colds)
+                self.policy.observe_prefill(meta["prefill_tokens"], meta["prefill_seconds"])
+        self.policy.observe_cold_starts(self.pc.ledger.cold_starts("gen"))

@@ -17,30 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from distributed import get_task_stream
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
-from rlhfless.ops.episode import EpisodeParams
-from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.load import LoadResult, read_prompts
-from rlhfless.ops.lora import LoraSpec
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
-from rlhfless.ops.update import UpdateParams
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.predictor import LengthPredictor
-from rlhfless.schedulers.throughput import ThroughputModel
+from rlhfless.schedulers.policy import ElasticPolicy
 
 from .cluster import PoolCluster, pools_from_config
-from .config import Config, ConfigError
+from .config import Config
 from .deploy import deployment_from_config
-from .elastic import ElasticGeneration, ElasticState
+from .elastic import ElasticGeneration
 from .graph import iteration_graph, rollout_graph
 from .inputs import check_inputs
 from .metrics import iteration_record
@@ -48,182 +38,9 @@ from .modes import make_runner, mode_specs
 from .observe import observed
 from .recovery import Durable, open_run
 from .runs import RunDir
-from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec, publish_task, update_task
-
-
-class PromptSampler:
-    """Batches of prompts in a seeded order; a new permutation every epoch.
-
-    A batch never holds a prompt twice, also when it crosses an epoch boundary: each epoch's
-    order is the permutation of (seed, epoch) with the last ``batch - 1`` prompts of the
-    previous epoch held back from its first positions (a prompt ``d`` places from the end of
-    epoch e comes at position ``batch - d`` of epoch e + 1 or later), so any ``batch`` or
-    fewer consecutive prompts are distinct. Every epoch still holds every prompt once, and
-    the order is a function of (seed, epoch) alone: ``position`` is the whole state."""
-
-    def __init__(self, prompts: pa.Table, batch: int, seed: int) -> None:
-        if len(prompts) < batch:
-            raise ValueError(f"{len(prompts)} prompts, fewer than a batch of {batch}")
-        self.prompts, self.batch, self.seed = prompts, batch, seed
-        self.position = 0  # prompts consumed so far, over all epochs
-        self._epoch, self._order = 0, self._permutation(0)  # the epoch last computed
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The prompt indices of ``epoch`` in the order they are drawn."""
-        if epoch < self._epoch:
-            self._epoch, self._order = 0, self._permutation(0)
-        while self._epoch < epoch:
-            self._epoch += 1
-            self._order = held_back(self._permutation(self._epoch),
-                                    self._order[len(self._order) - (self.batch - 1):])
-        return self._order
-
-    def next_batch(self, n: int | None = None) -> pa.Table:
-        """The next ``n`` prompts (default, and at most: a whole batch)."""
-        want = self.batch if n is None else n
-        if want > self.batch:
-            raise ValueError(f"next_batch({n}): at most a batch of {self.batch} prompts")
-        rows: list[int] = []
-        while len(rows) < want:
-            epoch, offset = divmod(self.position, len(self.prompts))
-            take = min(want - len(rows), len(self.prompts) - offset)
-            rows.extend(self.order(epoch)[offset : offset + take].tolist())
-            self.position += take
-        return self.prompts.take(rows)
-
-
-def held_back(order: np.ndarray, tail: np.ndarray) -> np.ndarray:
-    """``order`` with each prompt of ``tail`` (the end of the previous epoch; its last item
-    ``d = 1``) at position ``len(tail) + 1 - d`` or later; the others keep their relative
-    order. The first positions are filled one at a time: a held-back prompt as soon as it may
-    stand there, else the next of ``order`` that may. Possible whenever ``len(order)`` exceeds
-    ``len(tail)``: by position k, ``len(order) - len(tail) + k`` prompts may stand there."""
-    earliest = {int(p): i + 1 for i, p in enumerate(tail)}
-    out: list[int] = []
-    waiting: list[int] = []  # held back, in the order met
-    rest = iter(order.tolist())
-    while waiting or len(out) < len(tail):  # past that, every prompt may stand anywhere
-        pos = len(out)
-        ready = next((p for p in waiting if earliest[p] <= pos), None)
-        if ready is not None:
-            waiting.remove(ready)
-            out.append(ready)
-            continue
-        p = next(rest)
-        if earliest.get(p, 0) <= pos:
-            out.append(p)
-        else:
-            waiting.append(p)
-    return np.asarray(out + list(rest), dtype=order.dtype)
-
-
-@dataclass(frozen=True)
-class Specs:
-    gen: GenSpec
-    eval: GenSpec
-    reward: RewardSpec
-    train: TrainSpec
-
-
-def resolve_model(cfg: Config, log=print) -> Path:
-    if cfg.model == "tiny":
-        return ensure_tiny_model(recipe=TASK_RECIPES[cfg.task], log=log)
-    path = Path(cfg.model)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model = {cfg.model!r}: no Hugging Face config.json there")
-    return path
-
-
-def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-    lora = (LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_target_modules))
-            if cfg.lora_rank else None)
-    gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
-                            cfg.colocate, lora)
-    update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                          temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
-                          max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
-    episodes = episode_params(cfg)
-    return Specs(
-        gen=GenSpec(gen_engine, cfg.n_samples, sampling, cfg.share_prefixes,
-                    episodes=episodes),
-        eval=GenSpec(gen_engine, 1, SamplingParams(cfg.max_new_tokens, greedy=True),
-                     cfg.share_prefixes, episodes=episodes),
-        reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
-                          cfg.reward_fallback),
-        train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
-                        update, str(run.weights), world=cfg.train_workers,
-                        parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
-                        gradient_checkpointing=cfg.gradient_checkpointing),
-    )
-
-
-def episode_params(cfg: Config) -> EpisodeParams | None:
-    """Multi-turn rollouts' settings, or None for single-turn generation."""
-    if not cfg.episode_environment:
-        return None
-    return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
-                         cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s)
-
-
-def load_prompt_sets(cfg: Config, model_path: Path,
-                     log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
-    """The training and held-out prompts, and what loading skipped (counted, and said once
-    through ``log``). A source that cannot be read, a bad row (under ``on_bad_row =
-    "error"``), a duplicate id, fewer training prompts than a batch or no held-out prompt is
-    a ``ConfigError`` of one line."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
-              on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = _read_prompt_set("dataset", cfg.dataset or model_path / "train.jsonl", tokenizer, kw)
-    heldout = _read_prompt_set("heldout", cfg.heldout or model_path / "heldout.jsonl",
-                               tokenizer, kw)
-    n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
-    if n == 0:
-        raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
-                          f"batch_prompts = {cfg.batch_prompts}")
-    if n < cfg.batch_prompts:  # a batch never repeats a prompt
-        raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
-                          f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
-    heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
-    if len(heldout.table) == 0:  # its accuracy would be NaN
-        raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
-                          "accuracy needs at least one")
-    _say_skipped(log, source, train)
-    _say_skipped(log, heldout_source, heldout)
-    counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
-              "prompts_skipped_long": train.n_skipped_long}
-    return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
-
-
-def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:
-    """``read_prompts``; what it raises (naming file and row) as a one-line ``ConfigError``."""
-    try:
-        return read_prompts(source, tokenizer, **kw)
-    except (ValueError, OSError, TypeError) as err:
-        message = f"{key}: {err}".replace("pass on_bad_row='skip'", "set on_bad_row = 'skip'")
-        raise ConfigError(" ".join(message.split())) from None
-
-
-def _skipped(result: LoadResult) -> str:
-    """`` (of N rows read: k bad skipped, m over max_prompt_tokens skipped, t truncated to
-    max_prompt_tokens)`` when loading dropped or cut rows, else nothing."""
-    dropped = [f"{n} {why}" for n, why in (
-        (result.n_skipped_bad, "bad skipped"),
-        (result.n_skipped_long, "over max_prompt_tokens skipped"),
-        (result.n_truncated, "truncated to max_prompt_tokens")) if n]
-    return f" (of {result.n_rows_read} rows read: {', '.join(dropped)})" if dropped else ""
-
-
-def _say_skipped(log: Callable[[str], None], source: str, result: LoadResult) -> None:
-    """One line, once, for what loading ``source`` skipped or truncated, with the first
-    reason."""
-    if _skipped(result):
-        first = f"; first: {result.skipped[0]}" if result.skipped else ""
-        log(f"{source}: {len(result.table)} prompts{_skipped(result)}{first}")
+from .sampler import PromptSampler
+from .specs import Specs, load_prompt_sets, make_specs, resolve_model
+from .workers import publish_task, update_task
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
@@ -289,13 +106,11 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
     return record | facts, table, new_weights
 
 
-def observe_lengths(predictor: LengthPredictor, table: pa.Table) -> dict:
+def observe_lengths(policy: ElasticPolicy, table: pa.Table) -> dict:
     """Log the predictor's error on this batch (predicted before it saw it), then learn."""
     ids = table.column("prompt_id").to_pylist()
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    error = predictor.error(ids, lengths)
-    predictor.observe(ids, lengths)
-    return {f"len_pred_{k}": v for k, v in error.items()}
+    return {f"len_pred_{k}": v for k, v in policy.observe_lengths(ids, lengths).items()}
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
@@ -323,15 +138,15 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
     weights = WeightsRef(0, str(model_path))
     ledger = CostLedger(cfg.prices)
-    state = ElasticState(LengthPredictor(alpha=cfg.ewma_alpha), ThroughputModel())
+    policy = ElasticPolicy(cfg.elastic_knobs())
     pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
     deployment = deployment_from_config(cfg, run.path)
     with (PoolCluster(pools, ledger, deployment=deployment) as pc,
           observed(run, pc.dashboard_link, on_metrics)):
         log(f"dashboard: {pc.dashboard_link}")
-        eg = ElasticGeneration(pc, cfg, run, state)
+        eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
-        done, weights = durable.start(sampler, state, weights, ledger, resume=resume)
+        done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
@@ -351,11 +166,11 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                                                            iteration, specs, cfg)
                 durable.check_trainer()
             except Exception as err:  # re-raised unless the trainer was lost
-                done, weights = durable.recover(err, sampler, state)
+                done, weights = durable.recover(err, sampler, policy)
                 continue
             pc.sync_events()
             ledger.mark("iteration", iteration, t0, time.time())
-            record |= observe_lengths(state.predictor, table)
+            record |= observe_lengths(policy, table)
             record |= worker_seconds(ledger, t0, time.time())
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
@@ -364,7 +179,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                 accuracy = evaluate(pc, heldout, weights, specs, cfg)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
-            done, weights = durable.after_iteration(iteration, weights, sampler, state, ledger)
+            done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                             heldout=f"{accuracy['heldout_accuracy']:.2f}")

@@ -73,8 +73,9 @@ from .workers import publish_task, update_task
 if TYPE_CHECKING:
     from .cluster import PoolCluster
     from .elastic import ElasticGeneration
-    from .loop import PromptSampler, Specs
     from .recovery import Durable
+    from .sampler import PromptSampler
+    from .specs import Specs
 
 
 def mode_specs(specs: Specs, cfg: Config) -> Specs:

@@ -1,4 +1,4 @@
-"""Figures of a run, from what the run directory holds (``report.RunData``).
+"""Figures of a run, from what the run directory holds (``run_data.RunData``).
 
 Every function returns a ``matplotlib.figure.Figure`` built without pyplot (no global
 figure state: safe in a report writer, a notebook, or a thread), or ``None`` when the run
@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator
 from .graph import STAGE_COLOURS
 
 if TYPE_CHECKING:
-    from .report import RunData
+    from .run_data import RunData
 
 POOL_COLOURS = {"gen": "#fb8072", "train": "#b3de69"}
 OTHER = ("#cccccc", "#999999", "#d9d9d9", "#ccebc5", "#ffed6f", "#bebada")

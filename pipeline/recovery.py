@@ -60,10 +60,10 @@ from .workers import (
 
 if TYPE_CHECKING:
     from rlhfless.schedulers.ledger import CostLedger
+    from rlhfless.schedulers.policy import ElasticPolicy
 
     from .cluster import PoolCluster
-    from .elastic import ElasticState
-    from .loop import PromptSampler
+    from .sampler import PromptSampler
 
 TRAINER_WAIT_S = 300.0  # how long a trainer may take to come back after a crash
 FORGET_WAIT_S = 30.0  # how long the scheduler may take to drop an abandoned iteration
@@ -277,7 +277,7 @@ class Durable:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-             state: ElasticState, ledger: CostLedger) -> Path:
+             state: ElasticPolicy, ledger: CostLedger) -> Path:
         started = time.perf_counter()
         tmp = ckpt.begin(self.root, iteration)
         parts = self._each_rank(save_trainer_task, self.spec, str(tmp), self.token)
@@ -290,8 +290,7 @@ class Durable:
         totals = {k: now.get(k, 0.0) + self.totals_before.get(k, 0.0) for k in now}
         ckpt.write_driver(tmp, ckpt.DriverState(
             iteration=iteration, policy_version=weights.version,
-            sampler_position=sampler.position, predictor=state.predictor.state_dict(),
-            throughput=state.throughput.state_dict(), update_seconds=state.update_seconds,
+            sampler_position=sampler.position, **state.state_dict(),
             ledger_totals=totals, model_path=self.model_path, data_digest=self.digest,
             tables=self.tables))
         path = ckpt.commit(tmp)
@@ -302,7 +301,7 @@ class Durable:
                                  "checkpoint_s": time.perf_counter() - started})
         return path
 
-    def restore(self, path: Path, sampler: PromptSampler, state: ElasticState,
+    def restore(self, path: Path, sampler: PromptSampler, state: ElasticPolicy,
                 drop_eval_at: bool) -> tuple[int, WeightsRef]:
         """Put the run back to the checkpoint at ``path``; returns (iteration, weights)."""
         driver = ckpt.read_driver(path)
@@ -319,14 +318,13 @@ class Durable:
                 published.unlink()
         weights = self._on_trainer(publish_task, {}, self.spec, version)
         sampler.position = driver.sampler_position
-        state.predictor.load_state_dict(driver.predictor)
-        state.throughput.load_state_dict(driver.throughput)
-        state.update_seconds = driver.update_seconds
+        state.load_state_dict({"predictor": driver.predictor, "throughput": driver.throughput,
+                               "update_seconds": driver.update_seconds})
         self.tables = driver.tables
         trim_run(self.run, driver.iteration, drop_eval_at)
         return driver.iteration, weights
 
-    def start(self, sampler: PromptSampler, state: ElasticState, weights: WeightsRef,
+    def start(self, sampler: PromptSampler, state: ElasticPolicy, weights: WeightsRef,
               ledger: CostLedger, resume: bool = False) -> tuple[int, WeightsRef]:
         """A fresh run: seed the trainer and commit checkpoint 0. ``resume``: restore the
         newest whole checkpoint. Returns (iteration done, weights)."""
@@ -346,7 +344,7 @@ class Durable:
         return iteration, weights
 
     def after_iteration(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-                        state: ElasticState, ledger: CostLedger) -> tuple[int, WeightsRef]:
+                        state: ElasticPolicy, ledger: CostLedger) -> tuple[int, WeightsRef]:
         """Commit a checkpoint when one is due; if the trainer died meanwhile, recover."""
         if iteration % self.cfg.checkpoint_every and iteration != self.cfg.iterations:
             return iteration, weights
@@ -357,7 +355,7 @@ class Durable:
         return iteration, weights
 
     def recover(self, err: Exception, sampler: PromptSampler,
-                state: ElasticState) -> tuple[int, WeightsRef]:
+                state: ElasticPolicy) -> tuple[int, WeightsRef]:
         """Re-raise ``err`` unless the trainer was lost; if it was, go back to the newest whole
         checkpoint. Returns (iteration restored, weights)."""
         if not isinstance(err, TrainerLost):

@@ -121,7 +121,8 @@ def scenario_section(rep: dict[str, Any]) -> str:
         f"{wl['batch_prompts']} prompts x {wl['n_samples']} samples, {wl['iterations']} "
         f"iterations, response p50 {wl['response_p50']:.0f} / p99 {wl['response_p99']:.0f} "
         f"tokens (cap {wl['max_response_tokens']}). Our policy: lambda {pol['lambda_cost']}, "
-        f"tau {pol['tau']}, EWMA alpha {pol['ewma_alpha']}, keep-alive {pol['keep_alive']}. "
+        f"tau {pol['tau']}, EWMA alpha {pol['ewma_alpha']}, "
+        f"keep-alive {pol['keep_alive_s']} s (< 0: break-even). "
         f"Calibration: {sc.get('calibration', '-')}; verl-0.3 here spends "
         f"{_pct(_gen_share(rep, VERL))} of its step in generation.",
         "",

@@ -138,7 +138,7 @@ PCIE_EFFICIENCY = 0.5  # achieved / peak host-to-GPU bandwidth for pageable copi
 SYNC_FIXED_S = 1.0  # weight publish + engine reload fixed cost [assumption]
 NET_EFFICIENCY = 0.5  # achieved / peak network bandwidth for a weight broadcast
 # Runpod serverless default idle timeout before a worker stops (docs.runpod.io/pricing);
-# use it as PolicyConfig(keep_alive=KEEP_ALIVE_S) for a platform-managed keep-alive.
+# PolicyConfig(keep_alive_s=KEEP_ALIVE_S) keeps a worker only through idle gaps that short.
 KEEP_ALIVE_S = 5.0
 MAX_NUM_SEQS = 1024  # verl's default rollout max_num_seqs (vLLM engine batch cap)
 REWARD_S_PER_SAMPLE = 2e-3  # rule-based math verifier on a CPU core [assumption]

@@ -37,38 +37,33 @@ from typing import Any
 
 import numpy as np
 
-from .assignment import assign_by_length
-from .migration import Migration, WorkerProgress, plan_migration
-from .predictor import LengthPredictor, remaining_tokens
+from .migration import Migration, WorkerProgress
+from .policy import ElasticKnobs, ElasticPolicy
 from .profiles import ENGINES, Profile
-from .scaling import ScalingDecision, choose_generation_workers, round_robin
+from .scaling import ScalingDecision
 from .throughput import ThroughputModel
 from .workloads import Batch
 
 CHOICES = {
     "billing": ("reserved", "per_use"),
     "scaling": ("elastic", "static"),
-    "assignment": ("length", "round_robin", "replay"),
     "migration": ("none", "local", "global"),
     "engine": tuple(ENGINES),
 }
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """Which mechanisms a simulated system uses; see the module docstring."""
+class PolicyConfig(ElasticKnobs):
+    """Which mechanisms a simulated system uses (see the module docstring), over the elastic
+    policy's knobs (``ElasticKnobs``: ``tau``, ``lambda_cost``, ``ewma_alpha``,
+    ``keep_alive_s``, ``assignment``, with the live runs' defaults)."""
 
     name: str = "elastic"
     billing: str = "per_use"
     scaling: str = "elastic"
-    assignment: str = "length"
     dedup: bool = True
     migration: str = "local"
-    tau: float = 0.7  # completion fraction that triggers cut-and-migrate
-    lambda_cost: float = 0.5  # weight of time vs worker-seconds in scaling and migration
-    ewma_alpha: float = 1.0  # weight of the newest epoch in the length EWMA
     oracle: bool = False  # perfect length knowledge instead of the predictor
-    keep_alive: str | float = "auto"  # idle seconds before release, or "auto" (see simulator)
     prewarm: bool = True  # start workers a cold start ahead, so it is billed but not waited
     engine: str = "dedicated"  # generation engine settings (profiles.ENGINES)
     tp: int | None = None  # generation TP; None: the engine's (else the model's)
@@ -82,19 +77,10 @@ class PolicyConfig:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"PolicyConfig({self.name!r}): {key}={getattr(self, key)!r}; "
                                  f"allowed: {allowed}")
-        if not 0.0 < self.tau <= 1.0:
-            raise ValueError(f"PolicyConfig({self.name!r}): tau={self.tau!r}; allowed: (0, 1]")
-        if not 0.0 <= self.lambda_cost <= 1.0:
-            raise ValueError(f"PolicyConfig({self.name!r}): lambda_cost={self.lambda_cost!r}; "
-                             "allowed: [0, 1]")
-        if not 0.0 < self.ewma_alpha <= 1.0:
-            raise ValueError(f"PolicyConfig({self.name!r}): ewma_alpha={self.ewma_alpha!r}; "
-                             "allowed: (0, 1]")
-        if self.keep_alive != "auto" and not (
-            isinstance(self.keep_alive, (int, float)) and self.keep_alive >= 0
-        ):
-            raise ValueError(f"PolicyConfig({self.name!r}): keep_alive={self.keep_alive!r}; "
-                             "allowed: 'auto' or seconds >= 0")
+        try:
+            super().__post_init__()
+        except ValueError as err:
+            raise ValueError(f"PolicyConfig({self.name!r}): {err}") from None
 
     def replace(self, **changes: Any) -> PolicyConfig:
         return dataclasses.replace(self, **changes)
@@ -170,7 +156,8 @@ def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[
 
 
 class SimPolicy:
-    """The live scheduler's policy objects, driven by the simulator for one run."""
+    """The elastic policy (``ElasticPolicy``) under one simulated system's mechanisms: the
+    oracle's true lengths, static scaling, a replayed assignment, a global cut."""
 
     def __init__(self, cfg: PolicyConfig, profile: Profile, pool: int, cap: int,
                  ctx_hint: float, max_response_tokens: int | None = None) -> None:
@@ -180,14 +167,13 @@ class SimPolicy:
         self.cap = int(cap)
         self.engine_prefill_rate = profile.prefill_tokens_per_s  # what the simulated engine does
         kv_s = profile.kv_transfer_seconds(1.0)
-        self.kv_seconds_per_token = kv_s if np.isfinite(kv_s) else None
-        self.predictor = LengthPredictor(alpha=cfg.ewma_alpha)
         # prior: the profile's step model, its context term folded in at a typical context
-        self.model = ThroughputModel(
+        self.elastic = ElasticPolicy(cfg, ThroughputModel(
             step_intercept_s=profile.step_base_s,
             step_slope_s=profile.step_per_seq_s + profile.step_per_ctx_token_s * ctx_hint,
             prefill_tokens_per_s=profile.prefill_tokens_per_s,
-            cold_start_s=profile.gen_wake_s, max_batch=self.cap)
+            cold_start_s=profile.gen_wake_s, max_batch=self.cap),
+            kv_seconds_per_token=kv_s if np.isfinite(kv_s) else None)
         self._pred: tuple[np.ndarray, np.ndarray] | None = None
 
     def predictions(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
@@ -195,8 +181,7 @@ class SimPolicy:
         if self.cfg.oracle:
             lengths = batch.lengths.astype(np.float64)
             return lengths.mean(axis=1), lengths.max(axis=1)
-        ids = batch.prompt_ids.tolist()
-        return self.predictor.predict(ids), self.predictor.predict_max(ids)
+        return self.elastic.predict(batch.prompt_ids.tolist())
 
     def prefill_per_group(self, batch: Batch) -> np.ndarray:
         """Prompt tokens each group prefills: once (dedup) or once per sample."""
@@ -204,13 +189,13 @@ class SimPolicy:
             return np.maximum(batch.prompt_tokens - batch.shared_prefix_tokens, 0).astype(float)
         return batch.prompt_tokens.astype(np.float64) * batch.n_samples
 
-    def plan(self, batch: Batch, keep_warm: int, fixed_seconds: float = 0.0,
-             fixed_cost_ws: float = 0.0) -> ScalingDecision:
-        """This iteration's worker count and assignment (``choose_generation_workers``);
-        with ``score_step`` the rest of the step (``fixed_*``: the last update) is scored
-        too."""
+    def plan(self, batch: Batch, keep_warm: int, fixed_cost_ws: float = 0.0) -> ScalingDecision:
+        """This iteration's worker count and assignment (``ElasticPolicy.plan``); with
+        ``score_step`` the rest of the step (the policy's seconds after generation, costing
+        ``fixed_cost_ws``) is scored too."""
         mean, mx = self._pred = self.predictions(batch)
         cfg = self.cfg
+        assign = None
         if cfg.assignment == "replay":
             if batch.workers is None:
                 raise ValueError(f"policy {cfg.name!r}: assignment 'replay' needs a replayed "
@@ -222,51 +207,47 @@ class SimPolicy:
 
             lo = hi = n_log
         else:
-            assign = assign_by_length if cfg.assignment == "length" else round_robin
             hi = min(self.pool, batch.n_groups)
             lo = hi if cfg.scaling == "static" else 1
-        return choose_generation_workers(
-            mean, batch.n_samples, self.model, max_workers=hi, min_workers=lo,
-            lambda_cost=cfg.lambda_cost, keep_warm=keep_warm, assign=assign,
-            pred_max_lengths=mx, prompt_tokens=self.prefill_per_group(batch),
-            fixed_seconds=fixed_seconds if cfg.score_step else 0.0,
+        return self.elastic.plan(
+            mean, mx, batch.n_samples, self.prefill_per_group(batch), keep_warm=keep_warm,
+            max_workers=hi, min_workers=lo, assign=assign,
+            fixed_seconds=self.elastic.update_seconds if cfg.score_step else 0.0,
             fixed_cost_ws=fixed_cost_ws if cfg.score_step else 0.0)
 
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:
         """Predicted tokens still to decode for unfinished sequences: the truth (oracle), or
-        ``predictor.remaining_tokens`` (conditioned on what each has generated)."""
+        ``ElasticPolicy.remaining`` (conditioned on what each has generated)."""
         if self.cfg.oracle or self._pred is None:
             return true_remaining.astype(np.float64)
-        return remaining_tokens(self._pred[1][group], generated, self.max_response_tokens)
+        return self.elastic.remaining(self._pred[1][group], generated,
+                                      self.max_response_tokens)
 
     def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
         if self.cfg.migration == "local":
-            return plan_migration(progress, self.cfg.tau, self.model,
-                                  lambda_cost=self.cfg.lambda_cost,
-                                  kv_seconds_per_token=self.kv_seconds_per_token)
+            return self.elastic.migrate(progress)
         if self.cfg.migration == "global":
             return global_cut(progress, self.cap)
         return []
 
-    def observe(self, batch: Batch, runs: list[Any]) -> dict[str, Any]:
+    def observe(self, batch: Batch, runs: list[Any], after_generation_s: float) -> dict[str, Any]:
         """After an iteration: score the predictions planning used (``mape``; the rest of
-        the record is ``LengthPredictor.error``), update the predictor, and feed the step
+        the record is ``LengthPredictor.error``), update the predictor, feed the step
         timings and prefill rates of the simulated workers (``WorkerRun``s) to the
-        throughput model."""
-        ids = np.repeat(batch.prompt_ids, batch.n_samples).tolist()
-        lengths = batch.lengths.ravel()
-        error = self.predictor.error(ids, lengths)
+        throughput model and the seconds after generation to the policy."""
+        error = self.elastic.observe_lengths(np.repeat(batch.prompt_ids, batch.n_samples)
+                                             .tolist(), batch.lengths.ravel())
         if self._pred is not None:  # score what planning used (the truth, for the oracle)
             actual = batch.lengths.mean(axis=1)
             error["mape"] = float(np.mean(np.abs(self._pred[0] - actual)
                                           / np.maximum(actual, 1.0)))
-        self.predictor.observe(ids, lengths)
         for run in runs:
             b, s, k = run.chunks()
             if b.size:
-                self.model.observe_decode(b, s, k)
+                self.elastic.observe_decode(b, s, k)
             tokens = float(run.prefill.sum())
             if tokens > 0:
-                self.model.observe_prefill(tokens, tokens / self.engine_prefill_rate)
+                self.elastic.observe_prefill(tokens, tokens / self.engine_prefill_rate)
+        self.elastic.observe_after_generation(after_generation_s)
         return error

@@ -14,9 +14,10 @@ Billing goes through ``CostLedger``: pool ``gen`` (one entry per generation work
 GPUs) and pool ``train`` (the learner). ``reserved`` billing starts every worker of the pool
 once and stops it at the end of the run (serverful: colocated, the learner shares those
 GPUs); ``per_use`` billing starts workers when needed (their cold start billed) and stops
-them when released. A released worker may stay alive: for ``keep_alive`` seconds, or with
-``"auto"`` exactly when the predicted idle gap (from the scaling decision's predicted time
-and the last iteration's reward + update time) is shorter than a cold start.
+them when released. A released worker stays alive through its predicted idle gap (from the
+scaling decision's predicted time and the policy's seconds after generation) when the policy
+keeps it (``ElasticPolicy.keeps_alive``: the gap is at most ``keep_alive_s``, or with
+``keep_alive_s < 0`` at most a wake from host memory), else it is released at once.
 
 Times are simulated seconds from the run's start. The simulator is deterministic: the
 trace fixes all lengths, and nothing is random here.
@@ -250,7 +251,6 @@ class Simulator:
         self.busy: list[tuple[float, float, float]] = []
         self.results: list[IterationResult] = []
         self.sequences: list[dict[str, np.ndarray]] = []
-        self._post_gen_s: float | None = None
         self.clock = 0.0
         if self.reserved:  # the whole pool starts once, cold, and runs to the end
             train_cold = profile.train_start_seconds(self.train_gpus, cold=True)
@@ -266,14 +266,12 @@ class Simulator:
         else:  # first workers are pre-warmed (or waited for) from time 0
             self.clock = profile.gen_cold_start_s if policy.prewarm else 0.0
 
-    def _expiry(self, t: float, next_use: float, wake_s: float) -> float:
-        """Until when a worker released at ``t`` stays awake (billed)."""
-        keep = self.cfg.keep_alive
-        if self.reserved:
+    def _expiry(self, t: float, idle_gap_s: float, restart_s: float) -> float:
+        """Until when a worker released at ``t`` stays awake (billed): reserved billing
+        keeps it; else the policy keeps it through ``idle_gap_s`` or releases it now."""
+        if self.reserved or self.policy.elastic.keeps_alive(idle_gap_s, restart_s):
             return math.inf
-        if keep == "auto":  # awake through the gap only if that is cheaper than a wake
-            return math.inf if next_use - t <= wake_s else t
-        return t + float(keep)
+        return t
 
     # ---- one iteration ---------------------------------------------------------------------
 
@@ -283,8 +281,8 @@ class Simulator:
         self.gen.expire(t)
         n_warm = len(self.gen.awake)
         started = time.perf_counter()
-        post = self._post_gen_s or 0.0  # the last reward + update: the rest of the step
-        decision = self.policy.plan(batch, keep_warm=n_warm, fixed_seconds=post,
+        post = self.policy.elastic.update_seconds  # the rest of the step, as last seen
+        decision = self.policy.plan(batch, keep_warm=n_warm,
                                     fixed_cost_ws=post * self.train_gpus / prof.tp)
         plan_ms = 1e3 * (time.perf_counter() - started)
         n_workers = decision.n_workers
@@ -333,23 +331,21 @@ class Simulator:
         update_end = update_start + forward_s + prof.update_seconds(tokens, self.train_gpus)
         if not self.reserved:
             wake = prof.train_start_seconds(self.train_gpus, cold=False)
+            # next used after the next generation and reward, as long as this one's
             self.learner.awake[name] = (update_end, self._expiry(
-                update_end, update_end + (reward_end - t), wake))
-        post_gen = self._post_gen_s if self._post_gen_s is not None else update_end - gen_end
-        next_use = t_gen + decision.predicted_seconds + post_gen
+                update_end, reward_end - t, wake))
+        gen_planned_end = t_gen + decision.predicted_seconds
         for name, f in finish.items():
-            # the update cannot start before this worker is done: the next use is at least
-            # the reward + update time after its release
-            self.gen.awake[name] = (f, self._expiry(f, max(next_use, f + post_gen),
-                                                    prof.gen_wake_s))
-        self._post_gen_s = update_end - gen_end
+            # idle until the planned end of generation, then through the reward and update
+            self.gen.awake[name] = (f, self._expiry(
+                f, self.policy.elastic.idle_gap_s(gen_planned_end - f), prof.gen_wake_s))
         all_runs = mig.all_runs()
         self.busy.extend((r.t0, r.t_finish, r.gpus) for r in all_runs if r.n_steps)
         self.busy.append((update_start, update_end, self.train_gpus))
         for stage, a, b in (("plan", t, t_gen), ("generate", t_gen, gen_end),
                             ("reward", gen_end, reward_end), ("update", update_start, update_end)):
             self.ledger.mark(stage, batch.iteration, a, b)
-        error = self.policy.observe(batch, all_runs)
+        error = self.policy.observe(batch, all_runs, update_end - gen_end)
         if self.keep_sequences:
             self.sequences.append(mig.sequence_log())
         self.clock = update_end

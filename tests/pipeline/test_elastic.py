@@ -12,7 +12,7 @@ import pytest
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.cluster import ADAPT_INTERVAL_S, Pool, PoolCluster
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import train
 from rlhfless.pipeline.workers import (
@@ -98,6 +98,20 @@ def test_worker_with_pinned_work_is_not_retired(cluster):
     del running, queued
 
 
+def test_pool_scales_through_dask_adaptive(cluster):
+    before = cluster.worker_names("gen")
+    grown = cluster.scale("gen", len(before) + 1)
+    new = [w for w in grown if w not in before]
+    assert len(new) == 1 and set(grown) <= cluster.connected()
+    assert cluster.adaptive.log[-1][1] == {"status": "up", "n": len(grown)}
+    time.sleep(2.5 * ADAPT_INTERVAL_S)  # periodic adaptive steps: the target holds
+    assert cluster.worker_names("gen") == grown
+    assert cluster.scale("gen", len(before), close=new) == before
+    assert cluster.adaptive.log[-1][1] == {"status": "down", "workers": new}
+    assert not set(new) & cluster.connected()
+    assert new[0] not in cluster.ledger.running()  # billed until its process exited
+
+
 def test_ledger_agrees_with_measured_lifetime(cluster):
     requested = time.time()
     (name,) = cluster.grow("gen", 1)
@@ -116,7 +130,7 @@ def test_elastic_run_scales_and_loses_no_sample(tiny_model_dir, tmp_path):
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), iterations=2,
                  batch_prompts=8, n_samples=3, max_new_tokens=16, heldout_prompts=8,
                  eval_every=2, policy="elastic", gen_workers=2, lambda_cost=1.0,
-                 tau_migrate=0.5, keep_alive_s=0.0, train_threads=1)
+                 tau=0.5, keep_alive_s=0.0, train_threads=1)
     run = train(cfg, progress=False, log=lambda *_: None)
     decisions = run.read_jsonl("decisions.jsonl")
     kinds = Counter(d["kind"] for d in decisions)

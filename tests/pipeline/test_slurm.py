@@ -55,7 +55,7 @@ def test_generation_pool_of_slurm_jobs_scales_with_the_policy(slurm, tiny_model_
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name=name,
                  iterations=2, batch_prompts=8, n_samples=3, max_new_tokens=16,
                  heldout_prompts=8, eval_every=2, policy="elastic", gen_workers=2,
-                 lambda_cost=1.0, tau_migrate=0.5, keep_alive_s=0.0, train_threads=1,
+                 lambda_cost=1.0, tau=0.5, keep_alive_s=0.0, train_threads=1,
                  worker_memory="2GiB", cluster="slurm", walltime="00:15:00",
                  job_start_timeout_s=120.0)
     run = train(cfg, progress=False, log=lambda *_: None,

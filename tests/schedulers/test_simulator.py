@@ -120,7 +120,7 @@ def test_all_baselines_and_ablations_run(trace):
 def test_bad_configuration_names_the_key():
     with pytest.raises(ValueError, match="migration='sideways'"):
         PolicyConfig(migration="sideways")
-    with pytest.raises(ValueError, match="tau=0"):
+    with pytest.raises(ValueError, match="tau = 0"):
         ELASTIC.replace(tau=0)
     with pytest.raises(ValueError, match="cannot hold one worker"):
         simulate(synthetic_trace(SMALL), get_profile("Llama2-70B@H100"),
@@ -129,13 +129,13 @@ def test_bad_configuration_names_the_key():
 
 def test_keep_alive_and_prewarm(trace):
     static = SERVERLESS_BASE
-    kept = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive=1e9))
-    slept = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive=0.0))
+    kept = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive_s=1e9))
+    slept = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive_s=0.0))
     assert all(i.warm_workers == CLUSTER.gpus for i in kept.iterations[1:])
     assert all(i.warm_workers == 0 for i in slept.iterations)
     assert all(i.cold_starts == 0 for i in slept.iterations[1:])  # woken, not cold
     assert kept.gpu_seconds() > slept.gpu_seconds()  # idle through every update
-    waited = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive=0.0, prewarm=False))
+    waited = simulate(trace, PROFILE, CLUSTER, static.replace(keep_alive_s=0.0, prewarm=False))
     for a, b in zip(slept.iterations[1:], waited.iterations[1:], strict=True):
         assert b.gen_s == pytest.approx(a.gen_s + PROFILE.gen_wake_s)
 

@@ -1,0 +1,133 @@
+"""What a run is built from: its model, its prompt sets, and the specs its tasks get.
+
+``resolve_model`` finds the model directory (building the embedded tiny one on first use),
+``load_prompt_sets`` reads the training and held-out prompts with one-line errors, and
+``make_specs`` turns the configuration into the frozen ``Specs`` that generation, reward and
+update tasks carry to the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+from transformers import AutoTokenizer
+
+from rlhfless.ops.episode import EpisodeParams
+from rlhfless.ops.generate import SamplingParams
+from rlhfless.ops.load import LoadResult, read_prompts
+from rlhfless.ops.lora import LoraSpec
+from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
+from rlhfless.ops.update import UpdateParams
+
+from .config import Config, ConfigError
+from .runs import RunDir
+from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec
+
+
+@dataclass(frozen=True)
+class Specs:
+    gen: GenSpec
+    eval: GenSpec
+    reward: RewardSpec
+    train: TrainSpec
+
+
+def resolve_model(cfg: Config, log=print) -> Path:
+    if cfg.model == "tiny":
+        return ensure_tiny_model(recipe=TASK_RECIPES[cfg.task], log=log)
+    path = Path(cfg.model)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model = {cfg.model!r}: no Hugging Face config.json there")
+    return path
+
+
+def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    lora = (LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_target_modules))
+            if cfg.lora_rank else None)
+    gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
+                            cfg.colocate, lora)
+    update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                          temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
+                          max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
+    episodes = episode_params(cfg)
+    return Specs(
+        gen=GenSpec(gen_engine, cfg.n_samples, sampling, cfg.share_prefixes,
+                    episodes=episodes),
+        eval=GenSpec(gen_engine, 1, SamplingParams(cfg.max_new_tokens, greedy=True),
+                     cfg.share_prefixes, episodes=episodes),
+        reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
+                          cfg.reward_fallback),
+        train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
+                        update, str(run.weights), world=cfg.train_workers,
+                        parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
+                        gradient_checkpointing=cfg.gradient_checkpointing),
+    )
+
+
+def episode_params(cfg: Config) -> EpisodeParams | None:
+    """Multi-turn rollouts' settings, or None for single-turn generation."""
+    if not cfg.episode_environment:
+        return None
+    return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
+                         cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s)
+
+
+def load_prompt_sets(cfg: Config, model_path: Path,
+                     log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
+    """The training and held-out prompts, and what loading skipped (counted, and said once
+    through ``log``). A source that cannot be read, a bad row (under ``on_bad_row =
+    "error"``), a duplicate id, fewer training prompts than a batch or no held-out prompt is
+    a ``ConfigError`` of one line."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
+              on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
+    train = _read_prompt_set("dataset", cfg.dataset or model_path / "train.jsonl", tokenizer, kw)
+    heldout = _read_prompt_set("heldout", cfg.heldout or model_path / "heldout.jsonl",
+                               tokenizer, kw)
+    n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
+    if n == 0:
+        raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
+                          f"batch_prompts = {cfg.batch_prompts}")
+    if n < cfg.batch_prompts:  # a batch never repeats a prompt
+        raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
+                          f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
+    heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
+    if len(heldout.table) == 0:  # its accuracy would be NaN
+        raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
+                          "accuracy needs at least one")
+    _say_skipped(log, source, train)
+    _say_skipped(log, heldout_source, heldout)
+    counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
+              "prompts_skipped_long": train.n_skipped_long}
+    return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
+
+
+def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:
+    """``read_prompts``; what it raises (naming file and row) as a one-line ``ConfigError``."""
+    try:
+        return read_prompts(source, tokenizer, **kw)
+    except (ValueError, OSError, TypeError) as err:
+        message = f"{key}: {err}".replace("pass on_bad_row='skip'", "set on_bad_row = 'skip'")
+        raise ConfigError(" ".join(message.split())) from None
+
+
+def _skipped(result: LoadResult) -> str:
+    """`` (of N rows read: k bad skipped, m over max_prompt_tokens skipped, t truncated to
+    max_prompt_tokens)`` when loading dropped or cut rows, else nothing."""
+    dropped = [f"{n} {why}" for n, why in (
+        (result.n_skipped_bad, "bad skipped"),
+        (result.n_skipped_long, "over max_prompt_tokens skipped"),
+        (result.n_truncated, "truncated to max_prompt_tokens")) if n]
+    return f" (of {result.n_rows_read} rows read: {', '.join(dropped)})" if dropped else ""
+
+
+def _say_skipped(log: Callable[[str], None], source: str, result: LoadResult) -> None:
+    """One line, once, for what loading ``source`` skipped or truncated, with the first
+    reason."""
+    if _skipped(result):
+        first = f"; first: {result.skipped[0]}" if result.skipped else ""
+        log(f"{source}: {len(result.table)} prompts{_skipped(result)}{first}")

@@ -1,0 +1,182 @@
+"""The elastic policy: one pure object that the live runtime and the simulator both call.
+
+``ElasticKnobs`` declares the policy's knobs once (the run configuration builds them with
+``Config.elastic_knobs``; the simulator's ``PolicyConfig`` extends them with which mechanisms
+a simulated system uses). ``ElasticPolicy`` holds what the policy learns across iterations
+(the length predictor, the throughput model, the seconds that follow generation) and makes
+every decision the elastic pool takes; it knows nothing of Dask, of workers' processes or of
+simulated clocks. Call order, per iteration:
+
+1. ``predict`` the prompts' response lengths, then ``plan`` the pool: how many generation
+   workers and which prompt groups each gets (``choose_generation_workers``: the lowest
+   λ·time + (1-λ)·worker-seconds, warm workers first);
+2. while generation runs: when a worker's chunk pauses at completion ``tau``, ``migrate``
+   says which of its unfinished sequences move and where (``plan_migration``; the predicted
+   tokens still to come are ``remaining``);
+3. when a worker is idle: ``keeps_alive(idle_gap_s(...))`` says whether to keep it through
+   the predicted gap until its next use, or release it now (break-even keep-alive: idling
+   longer than a restart costs more than the restart);
+4. after the iteration: ``observe_lengths``, ``observe_decode`` / ``observe_prefill`` /
+   ``observe_cold_starts`` and ``observe_after_generation`` feed the models.
+
+``state_dict`` / ``load_state_dict`` round-trip everything it learned (checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from .assignment import assign_by_length
+from .migration import Migration, WorkerProgress, plan_migration
+from .predictor import LengthPredictor, remaining_tokens
+from .scaling import Assign, ScalingDecision, choose_generation_workers, round_robin
+from .throughput import ThroughputModel
+
+ASSIGNMENTS = ("length", "round_robin", "replay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticKnobs:
+    """The elastic policy's knobs, with the defaults of live runs and simulations alike."""
+
+    lambda_cost: float = 0.5  # 1: fastest worker count, 0: cheapest (worker-seconds)
+    tau: float = 0.7  # completion fraction at which a worker's tail may be cut and moved
+    ewma_alpha: float = 1.0  # weight of the newest observation in the policy's EWMAs
+    keep_alive_s: float = -1.0  # idle seconds a worker is kept; < 0: break-even with a restart
+    assignment: str = "length"  # prompts of similar predicted length on one worker
+
+    def __post_init__(self) -> None:
+        for key, ok, allowed in (
+            ("lambda_cost", 0.0 <= self.lambda_cost <= 1.0, "[0, 1]"),
+            ("tau", 0.0 < self.tau <= 1.0, "(0, 1]"),
+            ("ewma_alpha", 0.0 < self.ewma_alpha <= 1.0, "(0, 1]"),
+            ("keep_alive_s", np.isfinite(self.keep_alive_s), "a finite number of seconds "
+                                                              "(< 0: break-even)"),
+            ("assignment", self.assignment in ASSIGNMENTS, str(ASSIGNMENTS)),
+        ):
+            if not ok:
+                raise ValueError(f"{key} = {getattr(self, key)!r}; allowed: {allowed}")
+
+    def knobs(self) -> ElasticKnobs:
+        """Only the knobs (of a subclass that adds more fields)."""
+        return ElasticKnobs(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(ElasticKnobs)})
+
+
+class ElasticPolicy:
+    """Decisions and learned state of the elastic policy; see the module docstring."""
+
+    def __init__(self, knobs: ElasticKnobs, throughput: ThroughputModel | None = None,
+                 kv_seconds_per_token: float | None = None) -> None:
+        self.knobs = knobs.knobs()
+        self.predictor = LengthPredictor(alpha=knobs.ewma_alpha)
+        self.throughput = throughput if throughput is not None else ThroughputModel()
+        self.kv_seconds_per_token = kv_seconds_per_token  # None: a moved tail is recomputed
+        self.update_seconds = 0.0  # EWMA of the seconds after generation (0: none seen yet)
+        self.seen_cold_starts = 0  # cold starts already fed to the throughput model
+
+    # ---- plan --------------------------------------------------------------------------
+
+    def predict(self, prompt_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (mean, max) response tokens of each prompt's group."""
+        return self.predictor.predict(prompt_ids), self.predictor.predict_max(prompt_ids)
+
+    def assign(self) -> Assign:
+        """The assignment the knobs ask for (``replay`` is the simulator's own)."""
+        return round_robin if self.knobs.assignment == "round_robin" else assign_by_length
+
+    def plan(self, pred_mean: np.ndarray, pred_max: np.ndarray, n_samples: int,
+             prompt_tokens: np.ndarray, *, keep_warm: int, max_workers: int,
+             min_workers: int = 1, assign: Assign | None = None, fixed_seconds: float = 0.0,
+             fixed_cost_ws: float = 0.0) -> ScalingDecision:
+        """This iteration's worker count and assignment. ``fixed_*``: the rest of the step
+        (what follows generation), scored with it; see ``choose_generation_workers``."""
+        return choose_generation_workers(
+            pred_mean, n_samples, self.throughput, max_workers=max_workers,
+            min_workers=min_workers, lambda_cost=self.knobs.lambda_cost, keep_warm=keep_warm,
+            assign=assign or self.assign(), pred_max_lengths=pred_max,
+            prompt_tokens=prompt_tokens, fixed_seconds=fixed_seconds,
+            fixed_cost_ws=fixed_cost_ws)
+
+    # ---- the tail ----------------------------------------------------------------------
+
+    def remaining(self, pred_max: ArrayLike, generated: ArrayLike,
+                  max_tokens: int | None) -> np.ndarray:
+        """Predicted tokens still to decode of unfinished sequences, given what each has
+        generated (``predictor.remaining_tokens``)."""
+        return remaining_tokens(pred_max, generated, max_tokens)
+
+    def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
+        """Which paused tails move, and where (``plan_migration`` at ``tau``)."""
+        return plan_migration(progress, self.knobs.tau, self.throughput,
+                              lambda_cost=self.knobs.lambda_cost,
+                              kv_seconds_per_token=self.kv_seconds_per_token)
+
+    # ---- idle workers ------------------------------------------------------------------
+
+    def keep_alive_s(self, restart_s: float | None = None) -> float:
+        """Idle seconds worth keeping a worker for: the knob, or break-even with
+        ``restart_s`` (default: the throughput model's cold start)."""
+        if self.knobs.keep_alive_s >= 0:
+            return self.knobs.keep_alive_s
+        return self.throughput.cold_start_s if restart_s is None else restart_s
+
+    def idle_gap_s(self, generation_left_s: float) -> float:
+        """Predicted seconds until an idle generation worker is used again: the rest of this
+        generation, then what follows it (unbounded before the first step is measured:
+        nothing says the worker will be needed soon)."""
+        if self.update_seconds <= 0:
+            return math.inf
+        return max(generation_left_s, 0.0) + self.update_seconds
+
+    def keeps_alive(self, idle_gap_s: float, restart_s: float | None = None) -> bool:
+        """Keep an idle worker through ``idle_gap_s`` (shorter than the keep-alive), or
+        release it now."""
+        return idle_gap_s < self.keep_alive_s(restart_s)
+
+    # ---- observe -----------------------------------------------------------------------
+
+    def observe_lengths(self, prompt_ids: Sequence[str],
+                        lengths: Sequence[int]) -> dict[str, Any]:
+        """The predictor's error on these lengths (predicted before it saw them), then
+        learn them."""
+        error = self.predictor.error(prompt_ids, lengths)
+        self.predictor.observe(prompt_ids, lengths)
+        return error
+
+    def observe_after_generation(self, seconds: float) -> None:
+        """Seconds from the end of generation to the end of the step (the idle gap)."""
+        alpha = self.knobs.ewma_alpha if self.update_seconds > 0 else 1.0
+        self.update_seconds = alpha * seconds + (1.0 - alpha) * self.update_seconds
+
+    def observe_decode(self, batch: ArrayLike, step_seconds: ArrayLike,
+                       n_steps: ArrayLike | None = None) -> None:
+        self.throughput.observe_decode(batch, step_seconds, n_steps=n_steps)
+
+    def observe_prefill(self, tokens: float, seconds: float) -> None:
+        self.throughput.observe_prefill(tokens, seconds)
+
+    def observe_cold_starts(self, cold_starts: Sequence[float]) -> None:
+        """Every cold start of the run so far (a ledger's); the new ones are learned."""
+        for seconds in cold_starts[self.seen_cold_starts:]:
+            self.throughput.observe_cold_start(seconds)
+        self.seen_cold_starts = len(cold_starts)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"predictor": self.predictor.state_dict(),
+                "throughput": self.throughput.state_dict(),
+                "update_seconds": self.update_seconds}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.predictor.load_state_dict(state["predictor"])
+        self.throughput.load_state_dict(state["throughput"])
+        self.update_seconds = float(state["update_seconds"])

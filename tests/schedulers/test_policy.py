@@ -1,0 +1,105 @@
+"""The one elastic policy: knobs declared once, its decisions, its state round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rlhfless.pipeline.config import Config, ConfigError, load_config
+from rlhfless.schedulers.migration import WorkerProgress
+from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.sim_policy import ELASTIC, PolicyConfig
+from rlhfless.schedulers.throughput import ThroughputModel
+
+KNOB_NAMES = [f.name for f in dataclasses.fields(ElasticKnobs)]
+
+
+def test_live_and_simulated_runs_share_the_knobs_and_their_defaults():
+    cfg = Config()
+    assert cfg.elastic_knobs() == ElasticKnobs()
+    assert ELASTIC.knobs() == ElasticKnobs()  # the simulator's policy, the same defaults
+    assert issubclass(PolicyConfig, ElasticKnobs)
+    changed = load_config(None, ["tau=0.55", "ewma_alpha=0.25", "keep_alive_s=3"])
+    knobs = changed.elastic_knobs()
+    assert (knobs.tau, knobs.ewma_alpha, knobs.keep_alive_s) == (0.55, 0.25, 3.0)
+    # a simulation of this run's policy takes the run configuration's knobs
+    sim = ELASTIC.replace(**dataclasses.asdict(knobs))
+    assert sim.knobs() == knobs and sim.migration == ELASTIC.migration
+
+
+def test_old_key_name_and_bad_values_are_one_line_errors():
+    assert load_config(None, ["tau_migrate=0.6"]).tau == 0.6  # a config.json of older runs
+    with pytest.raises(ConfigError, match=r"tau = 1.5; allowed: \(0, 1\]"):
+        load_config(None, ["tau=1.5"])
+    with pytest.raises(ConfigError, match="ewma_alpha = 0"):
+        load_config(None, ["ewma_alpha=0"])
+    with pytest.raises(ValueError, match=r"PolicyConfig\('x'\): lambda_cost = 2"):
+        PolicyConfig("x", lambda_cost=2.0)
+
+
+def _model() -> ThroughputModel:
+    return ThroughputModel(step_intercept_s=0.02, step_slope_s=0.001, prefill_tokens_per_s=1e4,
+                           cold_start_s=5.0, max_batch=64)
+
+
+def test_keep_alive_is_break_even_with_a_restart_unless_set():
+    policy = ElasticPolicy(ElasticKnobs(), _model())
+    assert policy.keep_alive_s() == 5.0  # the throughput model's cold start
+    assert policy.keep_alive_s(restart_s=2.0) == 2.0  # e.g. a wake from host memory
+    assert policy.keeps_alive(4.9) and not policy.keeps_alive(5.0)
+    fixed = ElasticPolicy(ElasticKnobs(keep_alive_s=0.0), _model())
+    assert not fixed.keeps_alive(0.0)  # keep-alive 0: released as soon as idle
+    assert policy.idle_gap_s(1.0) == float("inf")  # no step measured yet: no reason to keep
+    policy.observe_after_generation(3.0)
+    assert policy.idle_gap_s(1.5) == 4.5 and policy.idle_gap_s(-2.0) == 3.0
+
+
+def test_after_generation_seconds_are_an_ewma_of_alpha():
+    policy = ElasticPolicy(ElasticKnobs(ewma_alpha=0.5), _model())
+    policy.observe_after_generation(4.0)  # the first observation is taken whole
+    policy.observe_after_generation(2.0)
+    assert policy.update_seconds == pytest.approx(3.0)
+
+
+def test_plan_honours_bounds_and_lambda():
+    policy = ElasticPolicy(ElasticKnobs(lambda_cost=1.0), _model())
+    mean = np.full(16, 200.0)
+    fast = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=8, max_workers=8)
+    assert fast.n_workers > 1 and len(fast.assignment) == fast.n_workers
+    cheap = ElasticPolicy(ElasticKnobs(lambda_cost=0.0), _model()).plan(
+        mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=8)
+    assert cheap.n_workers < fast.n_workers
+    pinned = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=3,
+                         min_workers=3)
+    assert pinned.n_workers == 3
+
+
+def test_migrate_only_moves_tails_past_tau():
+    def progress(done: int, left: int = 4) -> dict[str, WorkerProgress]:
+        idle = {w: WorkerProgress(0, 0, busy=False) for w in ("b", "c", "d")}
+        return {"a": WorkerProgress(done + left, done, [f"s{i}" for i in range(left)],
+                                    [100] * left, [1000.0] * left)} | idle
+
+    model = ThroughputModel(step_intercept_s=0.02, step_slope_s=0.01,
+                            prefill_tokens_per_s=1e4, cold_start_s=5.0, max_batch=64)
+    policy = ElasticPolicy(ElasticKnobs(tau=0.8, lambda_cost=1.0), model)
+    assert policy.migrate(progress(9)) == []  # 9 / 13 < tau: nothing is a source yet
+    moves = policy.migrate(progress(16))  # 16 / 20 = tau: the long tail spreads out
+    assert moves and {m.source for m in moves} == {"a"}
+    assert {m.target for m in moves} <= {"b", "c", "d"}
+
+
+def test_state_dict_round_trips_what_the_policy_learned():
+    policy = ElasticPolicy(ElasticKnobs(), _model())
+    policy.observe_lengths(["p1", "p1", "p2"], [10, 14, 30])
+    policy.observe_decode([8.0, 16.0], [0.03, 0.04], [10, 10])
+    policy.observe_after_generation(2.5)
+    policy.observe_cold_starts([4.0, 6.0])
+    fresh = ElasticPolicy(ElasticKnobs(), _model())  # the same priors
+    fresh.load_state_dict(policy.state_dict())
+    assert fresh.update_seconds == 2.5
+    np.testing.assert_allclose(fresh.predict(["p1", "p2", "new"]),
+                               policy.predict(["p1", "p2", "new"]))
+    assert fresh.throughput.to_record() == policy.throughput.to_record()
