@@ -216,8 +216,8 @@ class ElasticGeneration:
         for name in retired:
             self.load.pop(name, None)
             self.log(iteration, pool="gen", kind="release", worker=name,
-                     reason=f"idle gap {gap:.2f}s >= keep-alive "
-                            f"{self.policy.keep_alive_s():.2f}s")
+                     reason=f"idle gap {gap:.2f} s >= keep-alive "
+                            f"{self.policy.keep_alive_s():.2f} s")
         return retired
 
     def after_update(self, update_seconds: float, pieces_meta: list[dict]) -> None:

@@ -7,10 +7,12 @@
         log metrics, the rollouts, and every ``eval_every`` the held-out accuracy
         commit a checkpoint every ``checkpoint_every``; lost the trainer? back to the last one
 
-Held-out accuracy is the mean reward of greedy responses to the held-out prompts.
-``mode = "async"``, ``"replay"`` and ``"async+replay"`` run their iterations through
-``modes.ModeRunner`` (generation ahead of the update within a staleness bound; experience
-replay; both).
+Held-out accuracy is the mean reward of greedy responses to the held-out prompts. One
+iteration is ``drivers.run_step``: the static graph, the elastic policy's generation then
+update, or for ``mode = "async"``, ``"replay"`` and ``"async+replay"`` ``modes.ModeRunner``
+(generation ahead of the update within a staleness bound; experience replay; both). What
+the run is built from (model, prompts, task specs) is ``specs.py``; the prompt order is
+``sampler.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
-import pyarrow as pa
-from distributed import get_task_stream
 from tqdm.auto import tqdm
 
 from rlhfless.ops.publish import WeightsRef
@@ -30,87 +29,15 @@ from rlhfless.schedulers.policy import ElasticPolicy
 from .cluster import PoolCluster, pools_from_config
 from .config import Config
 from .deploy import deployment_from_config
+from .drivers import account, evaluate, run_step, say_reward_errors, write_ledger
 from .elastic import ElasticGeneration
-from .graph import iteration_graph, rollout_graph
 from .inputs import check_inputs
-from .metrics import iteration_record
 from .modes import make_runner, mode_specs
 from .observe import observed
 from .recovery import Durable, open_run
 from .runs import RunDir
 from .sampler import PromptSampler
-from .specs import Specs, load_prompt_sets, make_specs, resolve_model
-from .workers import publish_task, update_task
-
-
-def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-             cfg: Config) -> dict:
-    """Held-out accuracy of greedy decoding with ``weights``."""
-    if not pc.worker_names("gen"):  # the elastic policy may have released every one
-        pc.grow("gen", 1)
-    _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
-                              specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval-")
-    tables = pc.client.compute(scored, optimize_graph=False, sync=True)
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
-    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    return {"policy_version": weights.version,
-            "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),
-            "heldout_response_len_mean": float(np.mean(lengths)), "heldout_n": len(table)}
-
-
-def _record(iteration: int, weights: WeightsRef, started: float, plan, trainables: list,
-            update: dict, stream: list[dict]) -> tuple[dict, pa.Table]:
-    record, table = iteration_record(iteration, weights.version, started, plan, trainables,
-                                     update, stream)
-    versions = set(table.column("policy_version").to_pylist())
-    if versions != {weights.version}:  # synchronous mode: on-policy, by construction
-        raise RuntimeError(f"iteration {iteration}: samples of versions {versions}, "
-                           f"expected only v{weights.version}")
-    return record, table
-
-
-def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iteration: int,
-                  specs: Specs, cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
-    """A static-policy iteration: the whole iteration is one graph on the fixed pools."""
-    # the batch travels in the graph, not scattered: a worker's death must not lose it
-    graph = iteration_graph(batch, weights, iteration, cfg.gen_workers,
-                            specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
-                            seed=cfg.seed * 1_000_003 + iteration, min_prefix=cfg.min_prefix)
-    started = time.time()
-    with get_task_stream(pc.client) as stream:
-        plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)
-    *trainables, update, new_weights = rest
-    record, table = _record(iteration, weights, started, plan, trainables, update, stream.data)
-    return record, table, new_weights
-
-
-def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: WeightsRef,
-                          iteration: int, specs: Specs,
-                          cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
-    """An elastic-policy iteration: generation decided as it runs, then the update."""
-    client = eg.pc.client
-    started = time.time()
-    with get_task_stream(client) as stream:
-        plan, trainable_futures, facts = eg.run_generation(
-            batch, weights, iteration, specs, cfg.seed * 1_000_003 + iteration)
-        metrics = client.submit(update_task, trainable_futures, weights, specs.train,
-                                key=f"update-{iteration}", resources={"TRAIN": 1})
-        published = client.submit(publish_task, metrics, specs.train, weights.version + 1,
-                                   key=f"publish-{iteration}", resources={"TRAIN": 1})
-        trainables, update, new_weights = client.gather(
-            [trainable_futures, metrics, published])
-    eg.after_update(update["update_seconds"], [t.schema.metadata and {
-        k.decode(): float(v) for k, v in t.schema.metadata.items()} or {} for t in trainables])
-    record, table = _record(iteration, weights, started, plan, trainables, update, stream.data)
-    return record | facts, table, new_weights
-
-
-def observe_lengths(policy: ElasticPolicy, table: pa.Table) -> dict:
-    """Log the predictor's error on this batch (predicted before it saw it), then learn."""
-    ids = table.column("prompt_id").to_pylist()
-    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    return {f"len_pred_{k}": v for k, v in policy.observe_lengths(ids, lengths).items()}
+from .specs import load_prompt_sets, make_specs, resolve_model
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
@@ -153,25 +80,15 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         runner, started = make_runner(cfg, pc, eg, specs, sampler, durable), time.time()
         said_reward_errors = False
         while done < cfg.iterations:
-            iteration = done + 1
-            t0 = time.time()
+            iteration, t0 = done + 1, time.time()
             try:
-                if runner is not None:  # async and replay modes (modes.py)
-                    record, table, weights = runner.step(iteration, weights)
-                elif cfg.policy == "elastic":
-                    record, table, weights = run_elastic_iteration(
-                        eg, sampler.next_batch(), weights, iteration, specs, cfg)
-                else:
-                    record, table, weights = run_iteration(pc, sampler.next_batch(), weights,
-                                                           iteration, specs, cfg)
+                record, table, weights = run_step(cfg, runner, eg, sampler, weights, iteration,
+                                                  specs)
                 durable.check_trainer()
             except Exception as err:  # re-raised unless the trainer was lost
                 done, weights = durable.recover(err, sampler, policy)
                 continue
-            pc.sync_events()
-            ledger.mark("iteration", iteration, t0, time.time())
-            record |= observe_lengths(policy, table)
-            record |= worker_seconds(ledger, t0, time.time())
+            record |= account(pc, ledger, policy, iteration, t0, table)
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
@@ -187,28 +104,4 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 break
         if runner is not None:
             runner.close()  # batches generated ahead of a stop
-    run.write_json("ledger.json", {"prices": ledger.prices, "totals": ledger.totals(),
-                                   "by_iteration": ledger.by_iteration(),
-                                   "records": ledger.records(),
-                                   "before_resume": durable.totals_before})
-
-
-def say_reward_errors(log: Callable[[str], None], iteration: int, table: pa.Table,
-                      fallback: float) -> bool:
-    """Say the first iteration with failed reward calls, in one line; True if it did."""
-    errors = table.column("reward_error").drop_null()
-    if not len(errors):
-        return False
-    log(f"iteration {iteration}: {len(errors)} of {len(table)} samples got reward_fallback = "
-        f"{fallback:g} (first: {errors[0]}); every iteration's count is reward_errors in "
-        "metrics.jsonl, and this is said once")
-    return True
-
-
-def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:
-    """Worker-seconds billed per pool between ``t0`` and ``t1`` (so far in the run)."""
-    out = {}
-    for pool in ledger.prices:
-        out[f"{pool}_worker_s"] = (ledger.worker_seconds(pool, until=t1)
-                                   - ledger.worker_seconds(pool, until=t0))
-    return out
+    write_ledger(run, ledger, durable.totals_before)

@@ -276,7 +276,7 @@ class ModeRunner:
 def make_runner(cfg: Config, pc: PoolCluster, eg: ElasticGeneration, specs: Specs,
                 sampler: PromptSampler, durable: Durable | None = None) -> ModeRunner | None:
     """The runner of ``cfg.mode``; None in sync mode, whose iterations are
-    ``loop.run_iteration`` and ``loop.run_elastic_iteration``."""
+    ``drivers.run_iteration`` and ``drivers.run_elastic_iteration``."""
     if cfg.mode == "sync":
         return None
     return ModeRunner(cfg, pc, eg, specs, sampler, durable)

@@ -25,8 +25,10 @@ A scenario file (TOML)::
     [workload]                         # WorkloadConfig fields; preset = "gsm8k" | "reasoning"
     preset = "reasoning"
     batch_prompts = 512
-    [policy]                           # our elastic policy's knobs (PolicyConfig fields)
-    lambda_cost = 0.5
+    config = "run.toml"                # optional: a run's configuration; its elastic knobs
+                                       # (tau, lambda_cost, ewma_alpha, ...) are the policy's
+    [policy]                           # our elastic policy's knobs (PolicyConfig fields),
+    lambda_cost = 0.5                  # over those of config
     [profile_overrides]                # any Profile field, e.g. gen_cold_start_s = 60
 """
 
@@ -63,6 +65,7 @@ from rlhfless.schedulers.workloads import (
     synthetic_trace,
 )
 
+from .config import load_config
 from .sim_report import write_report
 
 PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
@@ -165,7 +168,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except tomllib.TOMLDecodeError as err:
         raise ScenarioError(f"scenario file {path}: {err}") from err
     top = {"name", "profile", "fit_run", "gpus", "train_gpus", "colocated", "workload",
-           "policy", "profile_overrides", "paper"}
+           "config", "policy", "profile_overrides", "paper"}
     bad = sorted(set(raw) - top)
     if bad:
         raise ScenarioError(f"{path}: unknown key(s) {bad}; known: {sorted(top)}")
@@ -183,8 +186,12 @@ def load_scenario(path: str | Path) -> Scenario:
                                 f"{sorted(PRESETS)}")
         workload = dataclasses.replace(PRESETS[preset], **_fields(
             WorkloadConfig, wl, f"{path} [workload]"))
-        policy = ELASTIC.replace(**_fields(PolicyConfig, raw.get("policy", {}),
-                                           f"{path} [policy]"))
+        knobs = {}
+        if "config" in raw:  # the run's own knobs, read as `rlhfless train` reads them
+            run_cfg = load_config(path.parent / raw["config"])
+            knobs = dataclasses.asdict(run_cfg.elastic_knobs())
+        policy = ELASTIC.replace(**knobs | _fields(PolicyConfig, raw.get("policy", {}),
+                                                   f"{path} [policy]"))
         gpus = raw.get("gpus", 16)
         if not isinstance(gpus, int) or gpus < 1:
             raise ScenarioError(f"{path}: gpus = {gpus!r}; allowed: an integer >= 1")

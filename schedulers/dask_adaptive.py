@@ -10,8 +10,10 @@
 * ``workers_to_close`` asks the plugin (``elastic_workers_to_close``), which closes the
   workers the policy named, or the idlest, never one that a scheduler plugin vetoes;
 * ``scale_up(n)`` grows the pool to ``n`` through the cluster's ``scale_pool`` (SpecCluster's
-  ``scale`` with the pool's worker template), and ``scale_down`` is Adaptive's own: a
-  graceful ``retire_workers`` on the scheduler, then ``cluster.scale_down``.
+  ``scale`` with the pool's worker template); ``scale_down`` is Adaptive's, a graceful
+  ``retire_workers`` on the scheduler (results move to other workers) then
+  ``cluster.scale_down``, except that the scheduler keeps the worker until its process has
+  left (``remove=False``), so that a last heartbeat is not that of an unknown worker.
 
 The cluster is any SpecCluster with ``scale_pool(pool, n)``: ``deploy.PoolScaling`` mixed into
 a ``LocalCluster`` or a dask-jobqueue ``SLURMCluster`` / ``PBSCluster``. Everything else
@@ -20,6 +22,7 @@ a ``LocalCluster`` or a dask-jobqueue ``SLURMCluster`` / ``PBSCluster``. Everyth
 
 from __future__ import annotations
 
+from inspect import isawaitable
 from typing import Any
 
 from distributed.deploy.adaptive import Adaptive
@@ -59,3 +62,11 @@ class PoolAdaptive(Adaptive):
 
     async def scale_up(self, n: int) -> None:
         self.cluster.scale_pool(self.pool, n)
+
+    async def scale_down(self, workers: list[str]) -> None:
+        if not workers:
+            return
+        await self.scheduler.retire_workers(names=workers, remove=False, close_workers=False)
+        closing = self.cluster.scale_down(workers)
+        if isawaitable(closing):
+            await closing

@@ -25,7 +25,6 @@ simulated clocks. Call order, per iteration:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,15 +129,15 @@ class ElasticPolicy:
 
     def idle_gap_s(self, generation_left_s: float) -> float:
         """Predicted seconds until an idle generation worker is used again: the rest of this
-        generation, then what follows it (unbounded before the first step is measured:
-        nothing says the worker will be needed soon)."""
-        if self.update_seconds <= 0:
-            return math.inf
+        generation, then what follows it."""
         return max(generation_left_s, 0.0) + self.update_seconds
 
     def keeps_alive(self, idle_gap_s: float, restart_s: float | None = None) -> bool:
         """Keep an idle worker through ``idle_gap_s`` (shorter than the keep-alive), or
-        release it now."""
+        release it now. Break-even needs the gap: before the first step is measured nothing
+        says the worker is needed soon, so it is released."""
+        if self.knobs.keep_alive_s < 0 and self.update_seconds <= 0:
+            return False
         return idle_gap_s < self.keep_alive_s(restart_s)
 
     # ---- observe -----------------------------------------------------------------------

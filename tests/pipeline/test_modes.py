@@ -13,8 +13,9 @@ from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.schema import SCORED, TRAINABLE
 from rlhfless.ops.update import UpdateParams
 from rlhfless.pipeline.config import Config, ConfigError
-from rlhfless.pipeline.loop import Specs, train
+from rlhfless.pipeline.loop import train
 from rlhfless.pipeline.modes import _iteration_of, mode_specs
+from rlhfless.pipeline.specs import Specs
 from rlhfless.pipeline.workers import (
     EngineSpec,
     GenSpec,

@@ -54,6 +54,18 @@ def test_scenario_file_with_sweeps_and_plan(tmp_path, capsys):
                                               for r in plan["candidates"])
 
 
+def test_scenario_takes_the_policy_knobs_of_a_run_configuration(tmp_path):
+    (tmp_path / "run.toml").write_text('policy = "elastic"\ntau = 0.6\newma_alpha = 0.5\n')
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO.replace("[workload]", 'config = "run.toml"\n[workload]'))
+    policy = load_scenario(path).policy
+    assert (policy.tau, policy.ewma_alpha, policy.lambda_cost) == (0.6, 0.5, 0.5)
+    assert policy.pat  # the mechanisms stay ours
+    (tmp_path / "run.toml").write_text("tau = 2.0\n")
+    with pytest.raises(ScenarioError, match=r"tau = 2.0; allowed: \(0, 1\]"):
+        load_scenario(path)
+
+
 def test_bad_scenario_is_one_clear_line(tmp_path, capsys):
     path = tmp_path / "bad.toml"
     path.write_text('gpus = 4\n[workload]\nbatch_promts = 3\n')

@@ -46,14 +46,16 @@ def _model() -> ThroughputModel:
 
 def test_keep_alive_is_break_even_with_a_restart_unless_set():
     policy = ElasticPolicy(ElasticKnobs(), _model())
+    assert not policy.keeps_alive(0.1)  # no step measured yet: break-even cannot keep
+    policy.observe_after_generation(3.0)
+    assert policy.idle_gap_s(1.5) == 4.5 and policy.idle_gap_s(-2.0) == 3.0
     assert policy.keep_alive_s() == 5.0  # the throughput model's cold start
     assert policy.keep_alive_s(restart_s=2.0) == 2.0  # e.g. a wake from host memory
     assert policy.keeps_alive(4.9) and not policy.keeps_alive(5.0)
     fixed = ElasticPolicy(ElasticKnobs(keep_alive_s=0.0), _model())
     assert not fixed.keeps_alive(0.0)  # keep-alive 0: released as soon as idle
-    assert policy.idle_gap_s(1.0) == float("inf")  # no step measured yet: no reason to keep
-    policy.observe_after_generation(3.0)
-    assert policy.idle_gap_s(1.5) == 4.5 and policy.idle_gap_s(-2.0) == 3.0
+    long = ElasticPolicy(ElasticKnobs(keep_alive_s=60.0), _model())
+    assert long.keeps_alive(long.idle_gap_s(10.0))  # a set keep-alive needs no measurement
 
 
 def test_after_generation_seconds_are_an_ewma_of_alpha():
