@@ -13,8 +13,11 @@ multi-turn loop does with the KV it keeps across turns), so each row keeps its o
 ids and the continuation equals uninterrupted decoding: token for token under greedy
 decoding (float64 leaves no near-ties to flip), and under sampling too when one whole tail
 moves (the generator's state travels with it, and the batch keeps its rows and order).
-Tails merged from several sources (``import_tail`` of several) continue on the first
-tail's generator: greedy decoding is unchanged, sampling draws a different stream.
+``recompute_tail`` is the other way to the same ``TailKV``: the receiving worker prefills
+the sequences' prompt + tokens so far (the cut rows' ``partial_ids``) itself, so either
+path ends in one batch with the tails already there. Tails merged from several sources
+(``import_tail`` of several) continue on the first tail's generator: greedy decoding is
+unchanged, sampling draws a different stream.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
-from .generate import Decoding, _prefix_cache
+from .generate import (
+    Decoding,
+    GenerationStats,
+    SamplingParams,
+    _prefix_cache,
+    prefill_continuations,
+)
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
 
@@ -52,6 +61,7 @@ class TailKV:
     rng_state: torch.Tensor  # the decoding's generator state
     start: float  # wall time the sequences' generation began
     exported_at: float = 0.0  # wall time the export finished (transfer timing starts here)
+    export_s: float = 0.0  # seconds the export took
 
     @property
     def n_sequences(self) -> int:
@@ -73,6 +83,7 @@ class TailKV:
 def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
     """The live rows of a paused ``dec`` (``rows``: one per sequence of the decoding) as a
     ``TailKV`` on the CPU."""
+    began = time.perf_counter()
     live = dec.live.tolist()
     cpu = torch.device("cpu")
     kv = [[(k.to(cpu), v.to(cpu)) for k, v in row_kv(dec.cache, dec.mask, r)]
@@ -81,7 +92,8 @@ def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
         rows=rows.take(pa.array(live, pa.int64())), kv=kv, logits=dec.logits.to(cpu).clone(),
         next_pos=dec.next_pos.to(cpu).clone(), budget=dec.budget.to(cpu).clone(),
         tokens=[list(dec.tokens[s]) for s in live], logprobs=[list(dec.logprobs[s]) for s in live],
-        rng_state=dec.gen.get_state(), start=start, exported_at=time.time())
+        rng_state=dec.gen.get_state(), start=start, exported_at=time.time(),
+        export_s=time.perf_counter() - began)
 
 
 def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
@@ -106,3 +118,15 @@ def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
         reasons=["length"] * n, gen=gen)
     rows = pa.concat_tables([t.rows for t in tails if t.n_sequences])
     return dec, rows
+
+
+def recompute_tail(model, cut: pa.Table, params: SamplingParams, pad_id: int,
+                   stats: GenerationStats | None = None) -> TailKV:
+    """A ``TailKV`` of cut sequences made here by recomputing their context: reads
+    ``prompt_ids``, ``partial_ids`` and ``partial_logprobs`` (tokens so far) of ``cut``."""
+    partial = cut.column("partial_ids").to_pylist()
+    dec = prefill_continuations(model, cut.column("prompt_ids").to_pylist(), partial, params,
+                                pad_id, stats)
+    dec.tokens = [list(p) for p in partial]
+    dec.logprobs = [list(p) for p in cut.column("partial_logprobs").to_pylist()]
+    return export_tail(dec, cut.drop_columns(["partial_ids", "partial_logprobs"]), time.time())

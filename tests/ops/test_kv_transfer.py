@@ -7,11 +7,12 @@ from __future__ import annotations
 import copy
 import pickle
 
+import pyarrow as pa
 import pytest
 import torch
 
 from rlhfless.ops.generate import SamplingParams, decode, prefill_prompts, run_decoding
-from rlhfless.ops.kv_transfer import export_tail, import_tail
+from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.tinytask import make_prompt
 
@@ -85,3 +86,23 @@ def test_two_tails_merged_decode_as_before_under_greedy(eos64, tokenizer, shard)
 def test_import_of_nothing_is_refused(eos64):
     with pytest.raises(ValueError, match="no sequences"):
         import_tail(eos64, [])
+
+
+def test_recomputed_tail_continues_like_the_transferred_one(eos64, tokenizer, shard):
+    """The recompute path (``recompute_tail``) ends in the same tokens under greedy."""
+    params = SamplingParams(max_new_tokens=40, greedy=True)
+    dec = _paused(eos64, tokenizer, shard, params, until=0.25)
+    tail = dec.live.tolist()
+    every = shard.take([i // N_SAMPLES for i in range(len(dec.tokens))])
+    cut = every.take(tail).append_column("partial_ids", pa.array([dec.tokens[s] for s in tail]))
+    cut = cut.append_column("partial_logprobs", pa.array([dec.logprobs[s] for s in tail]))
+    sent = export_tail(dec, every, 0.0)
+    redone = recompute_tail(eos64, cut, params, tokenizer.pad_token_id)
+    assert redone.context_tokens == sent.context_tokens
+    results = []
+    for tails in ([sent], [redone]):
+        moved, _ = import_tail(eos64, tails)
+        results.append(run_decoding(eos64, moved, params, tokenizer.eos_token_id).results())
+    for (ids, lps, _), (ids2, lps2, _) in zip(*results):
+        assert ids == ids2
+        assert torch.allclose(torch.tensor(lps), torch.tensor(lps2), atol=1e-9)
