@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -50,6 +51,11 @@ from rlhfless.schedulers.tail_cost import StepProfile, TransferModel, choose_kv_
 from rlhfless.schedulers.throughput import ThroughputModel
 
 WORKERS = 2
+
+
+def plain(value):
+    """JSON for numpy scalars."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 def kv_bytes_per_token(path) -> float:
@@ -127,13 +133,13 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
     out: dict = {"model": name, "kv_bytes_per_token": kv_bytes_per_token(path)}
     with PoolCluster([Pool("gen", WORKERS, 1, {"GEN": 1}, "4GiB")], ledger) as pc:
         names = warm(pc, spec, weights, prompts.slice(0, 1))
-        measured = pc.client.submit(profile_steps_task, spec, weights, (1, 4, 16), (1, 2),
+        measured = pc.client.submit(profile_steps_task, spec, weights, (1, 8), (1, 2),
                                     workers=[pc.address_of(names[0])], pure=False).result()
         profile = StepProfile(measured)
         models = TailModels(TransferModel(), ThroughputModel(), profile,
                             out["kv_bytes_per_token"])
         out["profile"] = profile.to_record()
-        out["thread_speedup"] = {b: profile.speedup(b, 2) for b in (1, 4, 16)}
+        out["thread_speedup"] = {b: profile.speedup(b, 2) for b in (1, 8)}
         # prime the cost models with two moves of this run (as a live run's first tails)
         out["audit_warmup"] = audit(pc, names, prompts, spec, weights, models, 2)
         predict_len = None
@@ -180,11 +186,15 @@ def main() -> None:
     rows = make_splits(task, seed=1)["train"]
     started = time.time()
     load_before = os.getloadavg()
-    results = [bench_model(name, args, rows) for name in args.models.split(",")]
+    results = []
+    for name in args.models.split(","):
+        results.append(bench_model(name, args, rows))
+        print(json.dumps(results[-1], default=plain), file=sys.stderr, flush=True)
     print(json.dumps({"bench": "tail", "workers": WORKERS, "threads_at_start": 1,
                       "prompts": args.prompts, "n_samples": args.n_samples, "tau": args.tau,
                       "models": results, "seconds": round(time.time() - started, 1),
-                      "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+                     default=plain))
 
 
 if __name__ == "__main__":

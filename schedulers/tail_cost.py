@@ -50,7 +50,7 @@ class TransferModel:
             return
         slope, intercept = np.polyfit(x, y, 1)
         if slope > 0:
-            self.bytes_per_s = 1.0 / slope
+            self.bytes_per_s = float(1.0 / slope)
             self.latency_s = max(0.0, float(intercept))
         else:  # no size effect measurable: all latency
             self.latency_s = float(y.mean())
@@ -80,7 +80,7 @@ def choose_kv_path(context_tokens: int, kv_bytes: int, transfer: TransferModel,
     fitted models predict faster; pure."""
     t = transfer.seconds(kv_bytes)
     r = float(throughput.prefill_seconds(context_tokens))
-    return KvChoice("transfer" if t <= r else "recompute", t, r)
+    return KvChoice("transfer" if t <= r else "recompute", float(t), r)
 
 
 class StepProfile:
@@ -160,11 +160,11 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     wide_s = profile.decode_seconds(every, total)
     target = min(live, key=lambda w: overhead_s[w])
     move_s = overhead_s[target] + wide_s
-    move_cs = move_s * total
+    stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
     fire = move_s < stay_s
     why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
            f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
            f"{overhead_s[target]:.2f} s = {move_s:.2f} s")
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
-                          overhead_s[target], stay_cs, move_cs,
+                          float(overhead_s[target]), stay_cs, move_cs,
                           ("consolidate: " if fire else "stay: ") + why)

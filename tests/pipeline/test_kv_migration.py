@@ -19,6 +19,7 @@ from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import TinyRecipe, build_model
 from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.tail import TailModels, run_tail
 from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
 from rlhfless.pipeline.workers import (
     EngineSpec,
@@ -28,6 +29,8 @@ from rlhfless.pipeline.workers import (
     resume_task,
 )
 from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.tail_cost import StepProfile, TransferModel
+from rlhfless.schedulers.throughput import ThroughputModel
 
 N_SAMPLES = 3
 
@@ -150,3 +153,31 @@ def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
     done = _by_pair([out["done"], rest])
     assert len(done) == len(shard) * N_SAMPLES
     assert len(rest) == facts["sequences"] == len(out["cut"])
+    cluster.wait_for([cluster.worker_names("gen")[2]])  # its nanny restarts it
+
+
+@pytest.mark.parametrize("mode", ["kv", pytest.param("reconfig", marks=pytest.mark.slow)])
+def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
+    """``pipeline/tail.run_tail`` on two workers: the tails are consolidated on one (KV sent,
+    priors that make transfer the cheaper path), the other released; under ``reconfig`` a
+    profile in which two threads pay makes it fire and widen the target."""
+    shard, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=False)
+    names = cluster.worker_names("gen")[:2]
+    one = {(b, 1): 0.01 + 0.001 * b for b in (1, 8)}
+    profile = StepProfile(one | {(b, 2): s / 1.9 for (b, _), s in one.items()})
+    models = TailModels(TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
+                        ThroughputModel(), profile, kv_bytes_per_token=2048)
+    shards = [shard.take([0, 2, 4]), shard.take([1, 3])]
+    res = run_tail(cluster, names, shards, spec, weights, mode, 0.3, models,
+                   lambda n: 24.0, f"modes-{mode}")
+    pairs = _by_pair([res["rollouts"]])
+    assert len(pairs) == len(shard) * N_SAMPLES
+    decision = res["decision"]
+    assert len(decision["tails"]) == 2, decision  # both paused with a tail
+    (move,) = decision["moves"]
+    assert move["path"] == "transfer" and move["actual_s"] > 0
+    assert res["released"] == [move["source"]]
+    assert move["source"] not in cluster.worker_names("gen")
+    if mode == "reconfig":
+        assert decision["reconfig"]["fire"] and decision["threads"]["after"] == 2
+    cluster.grow("gen", 1)
