@@ -107,7 +107,7 @@ def _move(c, key: str, src: str, dst: str, weights, spec, new_key: str):
     return sent, facts, holders
 
 
-@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("greedy", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_transfer_continuation_equals_uninterrupted(cluster, eos_model_dir, greedy):
     shard, spec, weights, (a, b, _) = _setup(cluster, eos_model_dir, greedy)
     c = cluster.client
