@@ -53,6 +53,7 @@ from .generate import (
     rollouts_table,
     run_decoding,
 )
+from .kv_transfer import row_kv
 from .reward import _describe
 from .schema import EPISODES, SCORED
 
@@ -191,11 +192,7 @@ def _keep_leaving(eps: list[_Episode]):
     """``run_decoding``'s ``on_leave``: keep the real positions of each leaving row's KV."""
     def keep(dec: Decoding, rows: torch.Tensor) -> None:
         for row in rows.tolist():
-            real = dec.mask[row].bool()
-            ep = eps[int(dec.live[row])]
-            ep.kv = [(layer.keys[row : row + 1, :, real].clone(),
-                      layer.values[row : row + 1, :, real].clone())
-                     for layer in dec.cache.layers]
+            eps[int(dec.live[row])].kv = row_kv(dec.cache, dec.mask, row)
     return keep
 
 

@@ -44,6 +44,25 @@ class TallyTask:
     n_heldout: int = 256  # evaluation prompts, disjoint from the RL and SFT prompts
     n_sft: int = 12000  # warm-start demonstrations
 
+    def draw_count(self, rng: random.Random) -> int:
+        return _draw_count(rng, self.max_items)
+
+
+@dataclass(frozen=True)
+class LongTailTallyTask(TallyTask):
+    """The long-tail setting: most lists short, a few several times longer, so a few
+    responses decode several times longer than the median (the tail that migration and
+    reconfiguration act on). Counts stay within the default ``max_items``, so the default
+    embedded model, warm-started on them, answers these prompts as it is."""
+
+    short_items: tuple[int, int] = (2, 5)  # uniform count range of the common short lists
+    long_items: tuple[int, int] = (18, 24)  # uniform count range of the long ones
+    long_share: float = 0.1  # share of long lists
+
+    def draw_count(self, rng: random.Random) -> int:
+        low, high = self.long_items if rng.random() < self.long_share else self.short_items
+        return rng.randint(low, high)
+
 
 def _draw_count(rng: random.Random, max_items: int) -> int:
     # log-uniform on [1, max_items]: many short lists, a tail of long ones
@@ -60,7 +79,7 @@ def make_response(items: list[str], total: int) -> str:
 
 
 def sample_items(rng: random.Random, task: TallyTask) -> list[str]:
-    return [rng.choice(WORDS) for _ in range(_draw_count(rng, task.max_items))]
+    return [rng.choice(WORDS) for _ in range(task.draw_count(rng))]
 
 
 def make_splits(task: TallyTask, seed: int) -> dict[str, list[dict]]:

@@ -83,3 +83,14 @@ def test_demonstrations_err_at_the_recipe_rate(task, splits):
 def test_make_response_format():
     assert make_response(["fig", "pear", "plum"], 3) == " 1 fig 2 pear 3 plum = 3"
     assert make_prompt(["fig"]) == f"{INSTRUCTION}Items: fig\nAnswer:"
+
+
+def test_long_tail_setting_has_a_few_lists_several_times_the_median():
+    from rlhfless.ops.tinytask import LongTailTallyTask
+
+    rows = make_splits(LongTailTallyTask(n_train=400, n_heldout=1, n_sft=0), seed=0)["train"]
+    counts = [len(items_of(r["prompt"])) for r in rows]
+    median = statistics.median(counts)
+    long = [n for n in counts if n >= 4 * median]
+    assert median <= 5 and 0.05 <= len(long) / len(counts) <= 0.2
+    assert max(counts) <= TallyTask().max_items  # within what the default model learned

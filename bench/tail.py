@@ -1,0 +1,201 @@
+"""The generation tail on a real LocalCluster: static vs recompute-migration vs KV-migration
+vs PAT reconfiguration, on the long-tail setting of the embedded task.
+
+For each model size (``--models``: the embedded ``tiny`` model and bench-size variants of it,
+``ops/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
+
+1. warm both workers (model load outside the measurement) and measure the decode step
+   profile by batch x threads (1, 2) on one of them;
+2. run the same prompts (``LongTailTallyTask``: most lists 2-5 items, a tenth 18-24)
+   under each tail mode of ``pipeline/tail.py``, regrowing and warming the pool between
+   modes; generation seconds and the pool's worker-seconds (from the cost ledger) and
+   core-seconds; each checks every (prompt, sample) exactly once;
+3. audit the transfer-vs-recompute choice: tails of several sizes are moved both ways
+   (the choice is made first, from the models fitted so far); a choice is right when its
+   path was the faster one measured.
+
+Prints one JSON line. ``python bench/tail.py [--models tiny,bench] [--prompts 24]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+from transformers import AutoConfig, AutoTokenizer
+
+from rlhfless.ops.benchmodel import ensure_bench_model
+from rlhfless.ops.generate import SamplingParams
+from rlhfless.ops.load import read_prompts
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
+from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.tail import MODES, TailModels, run_tail
+from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task, profile_steps_task
+from rlhfless.pipeline.workers import (
+    EngineSpec,
+    GenSpec,
+    drop_task,
+    generate_chunk_task,
+    generate_task,
+)
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.tail_cost import StepProfile, TransferModel, choose_kv_path
+from rlhfless.schedulers.throughput import ThroughputModel
+
+WORKERS = 2
+
+
+def plain(value):
+    """JSON for numpy scalars."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def kv_bytes_per_token(path) -> float:
+    cfg = AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # fp32 K and V
+
+
+def warm(pc: PoolCluster, spec: GenSpec, weights: WeightsRef, shard: pa.Table) -> list[str]:
+    """Grow the pool back to ``WORKERS`` and run a small generation on each (cold start)."""
+    have = pc.worker_names("gen")
+    if len(have) < WORKERS:
+        pc.grow("gen", WORKERS - len(have))
+    names = pc.worker_names("gen")
+    futs = [pc.client.submit(generate_task, shard, weights, spec, 0,
+                             workers=[pc.address_of(n)], pure=False) for n in names]
+    pc.client.gather(futs)
+    return names
+
+
+def fit_length(table: pa.Table):
+    """Response tokens as a linear function of prompt tokens, fitted on a static run."""
+    x = np.array([len(p) for p in table.column("prompt_ids").to_pylist()], dtype=float)
+    y = np.array([len(r) for r in table.column("response_ids").to_pylist()], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    return lambda prompt_tokens: float(intercept + slope * prompt_tokens)
+
+
+def audit(pc, names, prompts, spec, weights, models: TailModels, rounds: int) -> list[dict]:
+    """Move tails of several sizes both ways; was the predicted-faster path the faster?"""
+    c = pc.client
+    src, dst = (pc.address_of(n) for n in names[:2])
+    log = []
+    for r in range(rounds):
+        shard = prompts.slice(0, 2 + (r * 5) % max(3, len(prompts) - 2))
+        key = f"audit-{r}"
+        cut = c.submit(generate_chunk_task, shard, weights, spec, 100 + r, 0.3, key,
+                       workers=[src], pure=False).result()["cut"]
+        if len(cut) == 0:
+            continue
+        ctx = sum(len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(),
+                                                  cut.column("partial_ids").to_pylist()))
+        choice = choose_kv_path(ctx, int(ctx * models.kv_bytes_per_token), models.transfer,
+                                models.throughput)
+        redo = c.submit(adopt_tails_task, [], f"{key}-r", weights, spec, recompute=cut,
+                        workers=[dst], pure=False).result()
+        sent = c.submit(export_tail_task, key, workers=[src], pure=False)
+        moved = c.submit(adopt_tails_task, [sent], f"{key}-t", weights, spec, workers=[dst],
+                         pure=False).result()
+        del sent
+        for k in (f"{key}-r", f"{key}-t"):
+            c.submit(drop_task, k, workers=[dst], pure=False).result()
+        actual_t = moved["export_s"] + moved["transfer_s"] + moved["rebuild_s"]
+        actual_r = redo["recompute_s"]
+        models.transfer.observe(moved["bytes"], actual_t)
+        models.throughput.observe_prefill(redo["recompute_tokens"], actual_r)
+        best = "transfer" if actual_t <= actual_r else "recompute"
+        log.append({"context_tokens": ctx, "bytes": moved["bytes"], "path": choice.path,
+                    "predicted_transfer_s": choice.transfer_s,
+                    "predicted_recompute_s": choice.recompute_s,
+                    "actual_transfer_s": actual_t, "actual_recompute_s": actual_r,
+                    "right": choice.path == best})
+    return log
+
+
+def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
+    path = ensure_bench_model(name, log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = read_prompts(pa.Table.from_pylist(prompts_rows), tok).table
+    spec = GenSpec(EngineSpec(str(path)), args.n_samples,
+                   SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0))
+    weights = WeightsRef(0, str(path))
+    shards = [prompts.take(list(range(i, len(prompts), WORKERS))) for i in range(WORKERS)]
+    ledger = CostLedger({"gen": 1.0})
+    out: dict = {"model": name, "kv_bytes_per_token": kv_bytes_per_token(path)}
+    with PoolCluster([Pool("gen", WORKERS, 1, {"GEN": 1}, "4GiB")], ledger) as pc:
+        names = warm(pc, spec, weights, prompts.slice(0, 1))
+        measured = pc.client.submit(profile_steps_task, spec, weights, (1, 8), (1, 2),
+                                    workers=[pc.address_of(names[0])], pure=False).result()
+        profile = StepProfile(measured)
+        models = TailModels(TransferModel(), ThroughputModel(), profile,
+                            out["kv_bytes_per_token"])
+        out["profile"] = profile.to_record()
+        out["thread_speedup"] = {b: profile.speedup(b, 2) for b in (1, 8)}
+        # prime the cost models with two moves of this run (as a live run's first tails)
+        out["audit_warmup"] = audit(pc, names, prompts, spec, weights, models, 2)
+        predict_len = None
+        for mode in MODES:
+            names = warm(pc, spec, weights, prompts.slice(0, 1))
+            res = run_tail(pc, names, shards, spec, weights, mode, args.tau, models,
+                           predict_len or (lambda n: float(args.max_new_tokens)), mode)
+            pairs = Counter(zip(res["rollouts"].column("prompt_id").to_pylist(),
+                                res["rollouts"].column("sample_idx").to_pylist()))
+            lengths = [len(r) for r in res["rollouts"].column("response_ids").to_pylist()]
+            if mode == "static":
+                predict_len = fit_length(res["rollouts"])
+                out["response_tokens"] = {"median": statistics.median(lengths),
+                                          "max": max(lengths)}
+            out[mode] = {"generation_s": round(res["generation_s"], 3),
+                         "worker_s": round(res["worker_s"], 3), "core_s": round(res["core_s"], 3),
+                         "exactly_once": len(pairs) == len(prompts) * args.n_samples
+                         and set(pairs.values()) == {1},
+                         "decision": res["decision"]}
+        names = warm(pc, spec, weights, prompts.slice(0, 1))
+        checks = audit(pc, names, prompts, spec, weights, models, args.audit)
+    static = out["static"]
+    for mode in MODES[1:]:
+        for key in ("generation_s", "worker_s", "core_s"):
+            out[mode][f"{key}_vs_static"] = round(out[mode][key] / static[key], 3)
+    out["reconfig_fired"] = bool(out["reconfig"]["decision"].get("reconfig", {}).get("fire"))
+    moves = [m for mode in MODES for m in out[mode]["decision"].get("moves", [])]
+    out["moves"] = len(moves)
+    out["choice_audit"] = {"moves": len(checks), "right": sum(c["right"] for c in checks),
+                           "log": checks}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,bench")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--n-samples", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--tau", type=float, default=0.6)
+    ap.add_argument("--audit", type=int, default=6)
+    args = ap.parse_args()
+    task = LongTailTallyTask(n_train=args.prompts, n_heldout=1, n_sft=0)
+    rows = make_splits(task, seed=1)["train"]
+    started = time.time()
+    load_before = os.getloadavg()
+    results = []
+    for name in args.models.split(","):
+        results.append(bench_model(name, args, rows))
+        print(json.dumps(results[-1], default=plain), file=sys.stderr, flush=True)
+    print(json.dumps({"bench": "tail", "workers": WORKERS, "threads_at_start": 1,
+                      "prompts": args.prompts, "n_samples": args.n_samples, "tau": args.tau,
+                      "models": results, "seconds": round(time.time() - started, 1),
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+                     default=plain))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""A paused tail's decoding state as data: exported on one worker, continued on another.
+
+``run_decoding(until_finished=...)`` leaves a ``Decoding`` paused part-way: a KV cache
+over the live rows, the next-token logits, positions, budgets, the tokens and
+log-probabilities so far and the random generator. ``export_tail`` turns its live rows into
+a ``TailKV`` of plain CPU tensors and lists (what Dask moves between workers, pickled with
+out-of-band tensor buffers); ``import_tail`` rebuilds a ``Decoding`` from one or more of
+them on the receiving engine, which ``run_decoding`` then finishes.
+
+Each row keeps only its real cache positions (``row_kv``: no padding travels); the
+receiving side stacks them left-padded to the longest (``generate._prefix_cache``, as the
+multi-turn loop does with the KV it keeps across turns), so each row keeps its own position
+ids and the continuation equals uninterrupted decoding: token for token under greedy
+decoding (float64 leaves no near-ties to flip), and under sampling too when one whole tail
+moves (the generator's state travels with it, and the batch keeps its rows and order).
+``recompute_tail`` is the other way to the same ``TailKV``: the receiving worker prefills
+the sequences' prompt + tokens so far (the cut rows' ``partial_ids``) itself, so either
+path ends in one batch with the tails already there. Tails merged from several sources
+(``import_tail`` of several) continue on the first tail's generator: greedy decoding is
+unchanged, sampling draws a different stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+from transformers import DynamicCache
+
+from .generate import (
+    Decoding,
+    GenerationStats,
+    SamplingParams,
+    _prefix_cache,
+    prefill_continuations,
+)
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
+
+
+def row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
+    """The real (unmasked) cache positions of batch row ``row``, per layer, as copies."""
+    real = mask[row].bool()
+    return [(layer.keys[row : row + 1, :, real].clone(),
+             layer.values[row : row + 1, :, real].clone()) for layer in cache.layers]
+
+
+@dataclass
+class TailKV:
+    """The unfinished rows of a paused decoding and the rollout rows they belong to."""
+
+    rows: pa.Table  # one rollout row per sequence (``expand_samples`` columns)
+    kv: list[KV]  # per sequence: its KV over prompt + generated tokens so far
+    logits: torch.Tensor  # [B, V] next-token logits
+    next_pos: torch.Tensor  # [B] position id of the next token
+    budget: torch.Tensor  # [B] tokens each may still generate
+    tokens: list[list[int]]  # per sequence: generated ids so far
+    logprobs: list[list[float]]
+    rng_state: torch.Tensor  # the decoding's generator state
+    start: float  # wall time the sequences' generation began
+    exported_at: float = 0.0  # wall time the export finished (transfer timing starts here)
+    export_s: float = 0.0  # seconds the export took
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.kv)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose KV travels (prompt + generated so far, summed over sequences):
+        what the receiving side would prefill again instead."""
+        return sum(int(kv[0][0].shape[2]) for kv in self.kv)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for kv in self.kv for pair in kv for t in pair]
+        tensors += [self.logits, self.next_pos, self.budget, self.rng_state]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
+    """The live rows of a paused ``dec`` (``rows``: one per sequence of the decoding) as a
+    ``TailKV`` on the CPU."""
+    began = time.perf_counter()
+    live = dec.live.tolist()
+    cpu = torch.device("cpu")
+    kv = [[(k.to(cpu), v.to(cpu)) for k, v in row_kv(dec.cache, dec.mask, r)]
+          for r in range(len(live))]
+    return TailKV(
+        rows=rows.take(pa.array(live, pa.int64())), kv=kv, logits=dec.logits.to(cpu).clone(),
+        next_pos=dec.next_pos.to(cpu).clone(), budget=dec.budget.to(cpu).clone(),
+        tokens=[list(dec.tokens[s]) for s in live], logprobs=[list(dec.logprobs[s]) for s in live],
+        rng_state=dec.gen.get_state(), start=start, exported_at=time.time(),
+        export_s=time.perf_counter() - began)
+
+
+def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
+    """One ``Decoding`` over every sequence of ``tails`` (in order) on ``model``'s device,
+    ready for ``run_decoding``, and its rollout rows."""
+    if not tails or not any(t.n_sequences for t in tails):
+        raise ValueError("import_tail: no sequences to continue")
+    device, dtype = model.device, model.dtype
+    kv = [[(k.to(device, dtype), v.to(device, dtype)) for k, v in seq]
+          for t in tails for seq in t.kv]
+    lens = [int(seq[0][0].shape[2]) for seq in kv]
+    cache, mask = _prefix_cache(model, kv, list(range(len(kv))), lens)
+    gen = torch.Generator(device=device)
+    gen.set_state(tails[0].rng_state)
+    n = len(kv)
+    dec = Decoding(
+        cache=cache, logits=torch.cat([t.logits for t in tails]).to(device),
+        mask=mask, next_pos=torch.cat([t.next_pos for t in tails]).to(device),
+        live=torch.arange(n, device=device), budget=torch.cat([t.budget for t in tails]).to(device),
+        tokens=[list(x) for t in tails for x in t.tokens],
+        logprobs=[list(x) for t in tails for x in t.logprobs],
+        reasons=["length"] * n, gen=gen)
+    rows = pa.concat_tables([t.rows for t in tails if t.n_sequences])
+    return dec, rows
+
+
+def recompute_tail(model, cut: pa.Table, params: SamplingParams, pad_id: int,
+                   stats: GenerationStats | None = None) -> TailKV:
+    """A ``TailKV`` of cut sequences made here by recomputing their context: reads
+    ``prompt_ids``, ``partial_ids`` and ``partial_logprobs`` (tokens so far) of ``cut``."""
+    partial = cut.column("partial_ids").to_pylist()
+    dec = prefill_continuations(model, cut.column("prompt_ids").to_pylist(), partial, params,
+                                pad_id, stats)
+    dec.tokens = [list(p) for p in partial]
+    dec.logprobs = [list(p) for p in cut.column("partial_logprobs").to_pylist()]
+    return export_tail(dec, cut.drop_columns(["partial_ids", "partial_logprobs"]), time.time())

@@ -1,0 +1,182 @@
+"""The generation tail, live: leave it, move it (recompute or KV transfer), or reconfigure.
+
+``run_tail`` generates one batch of shards, one shard per generation worker, under a tail
+``mode``:
+
+- ``static``: every worker decodes its shard to the end; the pool is billed to the end;
+- ``recompute``: each shard pauses at completion fraction ``tau``; the tails are
+  consolidated onto one worker (the one with the most sequences left) whose context is
+  recomputed there (RLHFless cut-and-migrate as the runtime did it), the others released;
+- ``kv``: as ``recompute``, each move's context sent as KV or recomputed, whichever
+  ``tail_cost.choose_kv_path`` predicts faster from this run's own timings;
+- ``reconfig``: PAT on CPU. At ``tau`` ``tail_cost.plan_reconfig`` compares finishing in
+  place with one worker decoding every tail with all the pool's threads (from the decode
+  step profile measured at start), the move's cost included; if it pays, the tails are
+  consolidated (KV or recompute by cost), the target's torch threads raised and the
+  others released; otherwise every tail resumes where it is.
+
+Every move is a record (predicted and actual seconds of the chosen path, bytes, tokens),
+and each actual feeds the transfer and prefill models for the next decision. Predicted
+remaining tokens come from ``predict_len`` (prompt tokens -> response tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import pyarrow as pa
+from distributed import wait
+
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.schedulers.tail_cost import (
+    StepProfile,
+    TransferModel,
+    choose_kv_path,
+    plan_reconfig,
+)
+from rlhfless.schedulers.throughput import ThroughputModel
+
+from .cluster import PoolCluster
+from .tail_tasks import adopt_tails_task, export_tail_task, set_threads_task
+from .workers import GenSpec, generate_chunk_task, resume_task
+
+MODES = ("static", "recompute", "kv", "reconfig")
+
+
+@dataclass
+class TailModels:
+    """What the tail decisions learn from the run (fitted online) and measured at start."""
+
+    transfer: TransferModel
+    throughput: ThroughputModel
+    profile: StepProfile | None = None
+    kv_bytes_per_token: float = 0.0
+    moves: list[dict] = field(default_factory=list)
+
+
+def _pairs(table: pa.Table) -> list[tuple[str, int]]:
+    return list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+
+
+def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: GenSpec,
+             weights: WeightsRef, mode: str, tau: float, models: TailModels,
+             predict_len: Callable[[int], float], tag: str) -> dict:
+    """Generate ``shards`` (one per worker of ``names``) under ``mode``; returns the
+    rollouts, the generation seconds, the pool's worker-seconds and core-seconds, and the
+    decisions. Released workers are retired from ``pc``."""
+    if mode not in MODES:
+        raise ValueError(f"run_tail: mode {mode!r}; allowed: {', '.join(MODES)}")
+    c = pc.client
+    addr = {n: pc.address_of(n) for n in names}
+    pc.sync_events()
+    started = time.time()
+    threads = dict.fromkeys(names, pc.pools["gen"].threads)
+    widened: dict[str, float] = {}  # worker -> when its threads were raised
+    until = 1.0 if mode == "static" else tau
+    chunks = {n: c.submit(generate_chunk_task, s, weights, spec, 11 + i, until,
+                          f"{tag}-{n}", workers=[addr[n]], pure=False, key=f"{tag}-chunk-{n}")
+              for i, (n, s) in enumerate(zip(names, shards))}
+    wait(list(chunks.values()))
+    outs = {n: f.result() for n, f in chunks.items()}
+    done = [o["done"] for o in outs.values()]
+    cuts = {n: o["cut"] for n, o in outs.items() if len(o["cut"])}
+    decision: dict = {"mode": mode, "tails": {n: len(t) for n, t in cuts.items()}}
+    released = [n for n in names if n not in cuts] if mode != "static" else []
+    target, moved = None, []
+    if len(cuts) >= 2 and mode != "static":
+        overhead, choices = _move_costs(cuts, models, mode)
+        if mode == "reconfig":
+            rem = {n: [max(1.0, predict_len(len(p)) - len(g)) for p, g in zip(
+                cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist())]
+                for n, cut in cuts.items()}
+            plan = plan_reconfig(rem, threads, models.profile, overhead)
+            decision["reconfig"] = plan.to_record()
+            if plan.fire:
+                target = plan.target
+        else:
+            target = max(cuts, key=lambda n: len(cuts[n]))
+        if target is not None:
+            moved = [n for n in cuts if n != target]
+            _consolidate(pc, addr, target, moved, cuts, choices[target], weights, spec, tag,
+                         models, decision)
+            if mode == "reconfig":
+                before = c.submit(set_threads_task, plan.threads, workers=[addr[target]],
+                                  pure=False).result()
+                widened[target] = time.time()
+                threads[target] = plan.threads
+                decision["threads"] = {"before": before, "after": plan.threads}
+            released += moved
+    keys = {target: f"{tag}-merged"} if target else {n: f"{tag}-{n}" for n in cuts}
+    rest = [c.submit(resume_task, k, weights, spec, workers=[addr[n]], pure=False)
+            for n, k in keys.items()]
+    if released:  # while the tail decodes: nothing of theirs is needed any more
+        pc.retire(released)
+    done += [f.result() for f in rest]
+    # the last rollout's end on its worker: a retirement still winding down is not generation
+    ended = max(max(t.column("gen_end").to_pylist(), default=started) for t in done)
+    for n in widened:  # back to the pool's threads for whatever runs next
+        c.submit(set_threads_task, pc.pools["gen"].threads, workers=[addr[n]],
+                 pure=False).result()
+    pc.sync_events()
+    worker_s = (pc.ledger.worker_seconds("gen", until=ended)
+                - pc.ledger.worker_seconds("gen", until=started))
+    extra_core_s = sum((threads[n] - pc.pools["gen"].threads) * (ended - t)
+                       for n, t in widened.items())
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in done])
+    return {"rollouts": table, "generation_s": ended - started, "worker_s": worker_s,
+            "core_s": worker_s * pc.pools["gen"].threads + extra_core_s,
+            "released": released, "decision": decision}
+
+
+def _move_costs(cuts: dict[str, pa.Table], models: TailModels, mode: str):
+    """Per candidate target: the predicted seconds to bring every other tail to it, and
+    the path of each of those moves (forced to recompute in ``recompute`` mode)."""
+    ctx = {n: sum(len(p) + len(g) for p, g in zip(t.column("prompt_ids").to_pylist(),
+                                                  t.column("partial_ids").to_pylist()))
+           for n, t in cuts.items()}
+    choices = {}
+    for n in cuts:
+        choices[n] = {}
+        for src in cuts:
+            if src != n:
+                k = choose_kv_path(ctx[src], int(ctx[src] * models.kv_bytes_per_token),
+                                   models.transfer, models.throughput)
+                if mode == "recompute":
+                    k = replace(k, path="recompute")
+                choices[n][src] = (k, ctx[src])
+    overhead = {n: sum(k.predicted_s for k, _ in choices[n].values()) for n in cuts}
+    return overhead, choices
+
+
+def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
+                 cuts: dict[str, pa.Table], choices: dict, weights: WeightsRef, spec: GenSpec,
+                 tag: str, models: TailModels, decision: dict) -> None:
+    """Every source's tail to ``target`` (KV worker to worker, or recomputed there), merged
+    with the target's own paused tail under ``<tag>-merged``; each move logged and fed back
+    into the models."""
+    c = pc.client
+    sends = {s: c.submit(export_tail_task, f"{tag}-{s}", workers=[addr[s]], pure=False)
+             for s in sources if choices[s][0].path == "transfer"}
+    redo = [cuts[s] for s in sources if choices[s][0].path == "recompute"]
+    recompute = pa.concat_tables(redo) if redo else None
+    facts = c.submit(adopt_tails_task, list(sends.values()), f"{tag}-merged", weights, spec,
+                     local=(f"{tag}-{target}",), recompute=recompute, workers=[addr[target]],
+                     pure=False).result()
+    del sends
+    for s in sources:  # one adopt carries every move: its actual time is split by path
+        kind, ctx = choices[s]
+        if kind.path == "transfer":
+            actual = facts["export_s"] + facts["transfer_s"] + facts["rebuild_s"]
+            models.transfer.observe(facts["bytes"], actual)
+        else:
+            actual = facts["recompute_s"]
+            models.throughput.observe_prefill(facts["recompute_tokens"], actual)
+        record = {"t": time.time(), "kind": "move", "source": s, "target": target,
+                  "sequences": len(cuts[s]), "context_tokens": ctx, "path": kind.path,
+                  "predicted_transfer_s": kind.transfer_s,
+                  "predicted_recompute_s": kind.recompute_s,
+                  "predicted_s": kind.predicted_s, "actual_s": actual}
+        models.moves.append(record)
+        decision.setdefault("moves", []).append(record)

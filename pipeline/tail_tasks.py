@@ -1,0 +1,113 @@
+"""Graph tasks that move a paused tail's KV cache from one generation worker to another.
+
+A chunk (``workers.generate_chunk_task``) leaves its unfinished sequences paused on its
+worker under a key. To continue them elsewhere *with* their KV cache:
+
+1. ``export_tail_task(key)`` runs on the source worker; its result, a ``TailKV``
+   (``ops/kv_transfer.py``), stays in that worker's memory as a Dask task result;
+2. ``adopt_tails_task([that future], new_key, ...)`` is pinned to the target worker; Dask
+   fetches its argument from the source worker directly (worker to worker, never through
+   the driver), and the task rebuilds the batch there, paused under ``new_key``, together
+   with any tails already paused on the target (``local``: PAT's consolidation);
+3. ``workers.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
+   that never moved.
+
+Once step 2 is done the tail lives on the target alone: the driver drops the export's
+future and the source may be retired or die without loss. ``set_threads_task`` changes
+the torch threads of a worker (reconfiguration: a consolidated tail decodes wider), and
+``profile_steps_task`` measures its decode step time by batch and threads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+
+from rlhfless.ops.generate import GenerationStats, SamplingParams, prefill_prompts, run_decoding
+from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail
+from rlhfless.ops.publish import WeightsRef, require_version
+
+from .workers import _PAUSED, GenSpec, _hf_engine, _worker_name
+
+
+def _take_paused(key: str) -> TailKV:
+    entry = _PAUSED.pop(key, None)
+    if entry is None:
+        raise KeyError(f"worker {_worker_name()} holds no paused decoding {key!r} "
+                       "(never paused here, already moved, or the worker restarted)")
+    dec, rows, start = entry
+    return export_tail(dec, rows, start)
+
+
+def export_tail_task(key: str) -> TailKV:
+    """On the source worker: the paused decoding ``key`` as a ``TailKV`` (it leaves the
+    worker's paused decodings; the result is the only copy until a target adopts it)."""
+    return _take_paused(key)
+
+
+def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: GenSpec,
+                     local: tuple[str, ...] = (), recompute: pa.Table | None = None) -> dict:
+    """On the target worker: the sequences of ``tails`` (fetched by Dask from the workers
+    that exported them), of this worker's paused decodings ``local`` and of the cut rows
+    ``recompute`` (their context prefilled here), as one decoding paused here under ``key``.
+    Returns the move's facts: bytes and context tokens received, seconds from the last
+    export to this task's start (``transfer_s``: scheduling and the worker-to-worker
+    fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
+    arrived = time.time()
+    engine, cold = _hf_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    own = [_take_paused(k) for k in local]
+    stats = GenerationStats()
+    if recompute is not None and len(recompute):
+        own.append(recompute_tail(engine.model, recompute, spec.sampling,
+                                  engine.tokenizer.pad_token_id, stats))
+    dec, rows = import_tail(engine.model, own + list(tails))
+    _PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
+    exported = max((t.exported_at for t in tails), default=arrived)
+    return {"worker": _worker_name(), "sequences": len(rows),
+            "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
+            "context_tokens": sum(t.context_tokens for t in tails),
+            "transfer_s": max(0.0, arrived - exported),
+            "rebuild_s": time.time() - arrived - stats.prefill_seconds,
+            "recompute_s": stats.prefill_seconds, "recompute_tokens": stats.prefill_tokens,
+            "cold_start_s": cold}
+
+
+def set_threads_task(threads: int) -> int:
+    """Set this worker's torch intra-op threads; returns the previous count."""
+    if threads < 1:
+        raise ValueError(f"set_threads_task: threads={threads}; allowed: >= 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return before
+
+
+def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, ...],
+                       threads: tuple[int, ...], steps: int = 8,
+                       prompt_tokens: int = 48) -> dict[tuple[int, int], float]:
+    """Decode step seconds of this worker's engine by (batch, threads): each batch of
+    ``prompt_tokens``-token prompts decodes ``steps`` tokens (no EOS stop), best of two.
+    The worker's torch threads are restored afterwards."""
+    engine, _ = _hf_engine(spec.engine, weights)
+    model, pad = engine.model, engine.tokenizer.pad_token_id
+    params = SamplingParams(max_new_tokens=steps, greedy=True)
+    before = torch.get_num_threads()
+    out: dict[tuple[int, int], float] = {}
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            for b in batches:
+                prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)]
+                           for i in range(b)]
+                best = float("inf")
+                for _ in range(2):
+                    stats = GenerationStats()
+                    dec = prefill_prompts(model, prompts, 1, params, pad, None, stats)
+                    run_decoding(model, dec, params, -1, stats)
+                    best = min(best, stats.decode_seconds / max(1, stats.decode_steps))
+                out[(b, t)] = best
+    finally:
+        torch.set_num_threads(before)
+    return out

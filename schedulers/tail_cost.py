@@ -1,0 +1,170 @@
+"""Costs of acting on the generation tail: move a tail's KV or recompute it; reconfigure.
+
+Two pure decisions, both from the run's own timings:
+
+- ``choose_kv_path``: a tail moving to another worker gets its context there either as its
+  KV cache (``TransferModel``: ``latency + bytes / bandwidth``, least squares over the
+  moves seen so far, which include Dask's scheduling and the worker-to-worker fetch) or by
+  recomputation (a prefill at the rate ``ThroughputModel`` measured); the cheaper wins.
+- ``plan_reconfig`` (PAT on CPU): the live workers each decode their own tail with
+  ``threads`` torch threads; or one worker takes every tail and decodes it with all their
+  threads, the others released. ``StepProfile`` (decode step seconds by batch x threads,
+  measured on the machine at start) times both; it fires only when the predicted gain
+  exceeds the reconfiguration's own cost (moving the other tails' context).
+
+Under continuous batching a worker whose sequences have ``r_i`` tokens left runs
+``max r_i`` steps, the live batch at step ``s`` being ``#{i: r_i >= s}``; a profile that
+is linear in the batch per thread count (``a_t + c_t * b``) sums to
+``a_t * max r + c_t * sum r`` (``throughput.py``'s identity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .throughput import ThroughputModel
+
+
+class TransferModel:
+    """Seconds to move a KV cache of ``b`` bytes: ``latency_s + b / bytes_per_s``, fitted to
+    observed moves (priors until two of different sizes were seen)."""
+
+    def __init__(self, prior_latency_s: float = 0.05, prior_bytes_per_s: float = 2e8,
+                 window: int = 256) -> None:
+        if prior_latency_s < 0 or prior_bytes_per_s <= 0 or window < 2:
+            raise ValueError("TransferModel: latency >= 0, bandwidth > 0, window >= 2")
+        self.latency_s, self.bytes_per_s = prior_latency_s, prior_bytes_per_s
+        self.window = window
+        self._obs: list[tuple[float, float]] = []
+
+    def observe(self, nbytes: float, seconds: float) -> None:
+        if not (np.isfinite(nbytes) and np.isfinite(seconds) and nbytes >= 0 and seconds >= 0):
+            raise ValueError(f"TransferModel.observe: bytes={nbytes}, seconds={seconds}")
+        self._obs = (self._obs + [(float(nbytes), float(seconds))])[-self.window :]
+        x, y = np.array(self._obs).T
+        if x.size < 2 or np.ptp(x) <= 0:
+            self.latency_s = max(0.0, float(y.mean() - x.mean() / self.bytes_per_s))
+            return
+        slope, intercept = np.polyfit(x, y, 1)
+        if slope > 0:
+            self.bytes_per_s = float(1.0 / slope)
+            self.latency_s = max(0.0, float(intercept))
+        else:  # no size effect measurable: all latency
+            self.latency_s = float(y.mean())
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + float(nbytes) / self.bytes_per_s
+
+    def to_record(self) -> dict:
+        return {"latency_s": self.latency_s, "bytes_per_s": self.bytes_per_s,
+                "n_obs": len(self._obs)}
+
+
+@dataclass(frozen=True)
+class KvChoice:
+    path: str  # "transfer" | "recompute"
+    transfer_s: float  # predicted
+    recompute_s: float  # predicted
+
+    @property
+    def predicted_s(self) -> float:
+        return self.transfer_s if self.path == "transfer" else self.recompute_s
+
+
+def choose_kv_path(context_tokens: int, kv_bytes: int, transfer: TransferModel,
+                   throughput: ThroughputModel) -> KvChoice:
+    """Transfer the KV of ``context_tokens`` (``kv_bytes``) or recompute it, whichever the
+    fitted models predict faster; pure."""
+    t = transfer.seconds(kv_bytes)
+    r = float(throughput.prefill_seconds(context_tokens))
+    return KvChoice("transfer" if t <= r else "recompute", float(t), r)
+
+
+class StepProfile:
+    """Decode step seconds by live batch and torch threads, measured; linear in the batch
+    for each thread count (least squares over the measured batches)."""
+
+    def __init__(self, measured: Mapping[tuple[int, int], float]) -> None:
+        by_threads: dict[int, list[tuple[int, float]]] = {}
+        for (batch, threads), secs in measured.items():
+            by_threads.setdefault(int(threads), []).append((int(batch), float(secs)))
+        if not by_threads or any(len({b for b, _ in v}) < 2 for v in by_threads.values()):
+            raise ValueError("StepProfile: measure at least two batch sizes per thread count")
+        self.measured = dict(measured)
+        self.fit: dict[int, tuple[float, float]] = {}
+        for threads, points in by_threads.items():
+            b, s = np.array(points, dtype=np.float64).T
+            c, a = np.polyfit(b, s, 1)
+            self.fit[threads] = (max(float(a), 0.0), max(float(c), 0.0))
+
+    @property
+    def threads(self) -> list[int]:
+        return sorted(self.fit)
+
+    def decode_seconds(self, remaining: Sequence[float], threads: int) -> float:
+        """Seconds to decode sequences with ``remaining`` tokens left, all in one batch."""
+        rem = np.asarray(remaining, dtype=np.float64)
+        if rem.size == 0:
+            return 0.0
+        a, c = self.fit[threads]
+        return a * float(rem.max()) + c * float(rem.sum())
+
+    def speedup(self, batch: int, threads: int, base: int = 1) -> float:
+        a0, c0 = self.fit[base]
+        a, c = self.fit[threads]
+        return (a0 + c0 * batch) / (a + c * batch)
+
+    def to_record(self) -> dict:
+        return {"fit": {str(t): list(ac) for t, ac in self.fit.items()},
+                "measured": {f"{b}x{t}": s for (b, t), s in self.measured.items()}}
+
+
+@dataclass(frozen=True)
+class ReconfigChoice:
+    fire: bool
+    target: str  # the worker that keeps every tail ("" when staying)
+    threads: int  # its torch threads after the reconfiguration
+    stay_s: float  # predicted seconds to finish as is
+    move_s: float  # predicted seconds after reconfiguring, overhead included
+    overhead_s: float
+    stay_core_s: float  # predicted core-seconds (threads x seconds) still to use
+    move_core_s: float
+    reason: str
+
+    def to_record(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, int],
+                  profile: StepProfile, overhead_s: Mapping[str, float]) -> ReconfigChoice:
+    """Stay, or consolidate every live worker's tail onto one with all their threads; pure.
+
+    ``tails``: per live worker, the predicted remaining tokens of its sequences;
+    ``overhead_s``: per candidate target, the seconds to bring the other tails to it
+    (``choose_kv_path`` of each). Fires when the consolidated finish, overhead included, is
+    sooner than staying: the predicted gain exceeds the reconfiguration cost. Core-seconds
+    of both are recorded (the released workers stop billing at once).
+    """
+    live = {w: np.asarray(r, dtype=np.float64) for w, r in tails.items() if len(r)}
+    each = {w: profile.decode_seconds(r, threads[w]) for w, r in live.items()}
+    stay_s = max(each.values(), default=0.0)
+    stay_cs = float(sum(s * threads[w] for w, s in each.items()))
+    total = sum(threads[w] for w in live)
+    if len(live) < 2 or total not in profile.fit:
+        return ReconfigChoice(False, "", 0, stay_s, stay_s, 0.0, stay_cs, stay_cs,
+                              f"{len(live)} live worker(s), {total} threads unprofiled: stay")
+    every = np.concatenate(list(live.values()))
+    wide_s = profile.decode_seconds(every, total)
+    target = min(live, key=lambda w: overhead_s[w])
+    move_s = overhead_s[target] + wide_s
+    stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
+    fire = move_s < stay_s
+    why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
+           f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
+           f"{overhead_s[target]:.2f} s = {move_s:.2f} s")
+    return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
+                          float(overhead_s[target]), stay_cs, move_cs,
+                          ("consolidate: " if fire else "stay: ") + why)

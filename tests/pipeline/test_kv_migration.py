@@ -1,0 +1,183 @@
+"""KV transfer between generation workers of a real LocalCluster (worker processes).
+
+A paused tail is exported on one worker, fetched by Dask directly by a task pinned to
+another, and decoded on there: the result equals uninterrupted decoding on one worker
+(float64 engines, greedy and sampled), every (prompt, sample) comes out exactly once, and a
+source worker that dies once its KV was received loses nothing."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from rlhfless.ops.generate import SamplingParams
+from rlhfless.ops.load import read_prompts
+from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.tinymodel import TinyRecipe, build_model
+from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.tail import TailModels, run_tail
+from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
+from rlhfless.pipeline.workers import (
+    EngineSpec,
+    GenSpec,
+    _hf_engine,
+    generate_chunk_task,
+    resume_task,
+)
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.tail_cost import StepProfile, TransferModel
+from rlhfless.schedulers.throughput import ThroughputModel
+
+N_SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The embedded architecture with weights redrawn at a larger spread and the (tied) EOS
+    embedding scaled up (as ``tests/ops/conftest.py`` does), so that greedy decoding ends
+    at different lengths per prompt and a pause leaves a tail."""
+    import torch
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("eos-model")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    recipe = TinyRecipe()
+    model = build_model(recipe, tok)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2, generator=gen)
+        model.model.embed_tokens.weight[tok.eos_token_id] *= 2.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "train.jsonl").write_text((tiny_model_dir / "train.jsonl").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ledger = CostLedger({"gen": 1.0})
+    with PoolCluster([Pool("gen", 3, 1, {"GEN": 1}, "2GiB")], ledger) as pc:
+        yield pc
+
+
+def _float64_engine(spec: GenSpec, weights: WeightsRef) -> str:
+    """Load this worker's engine in float64: no near-tie can flip a token."""
+    engine, _ = _hf_engine(spec.engine, weights)
+    engine.model.double()
+    return str(engine.model.dtype)
+
+
+def _setup(cluster, tiny_model_dir, greedy: bool):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 5)
+    spec = GenSpec(EngineSpec(str(tiny_model_dir)), N_SAMPLES,
+                   SamplingParams(max_new_tokens=24, temperature=1.0, greedy=greedy))
+    weights = WeightsRef(0, str(tiny_model_dir))
+    addrs = [cluster.address_of(n) for n in cluster.worker_names("gen")]
+    for a in addrs:
+        assert cluster.client.submit(_float64_engine, spec, weights, workers=[a],
+                                     pure=False).result() == "torch.float64"
+    return shard, spec, weights, addrs
+
+
+def _by_pair(tables: list[pa.Table]) -> dict:
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    pairs = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+    counts = Counter(pairs)
+    assert set(counts.values()) == {1}, counts  # each (prompt, sample) exactly once
+    return dict(zip(pairs, zip(table.column("response_ids").to_pylist(),
+                               table.column("logprobs").to_pylist(),
+                               table.column("worker").to_pylist())))
+
+
+def _move(c, key: str, src: str, dst: str, weights, spec, new_key: str):
+    """Export on ``src``, adopt on ``dst``; the tail's data goes worker to worker."""
+    sent = c.submit(export_tail_task, key, workers=[src], pure=False, key=f"export-{new_key}")
+    facts = c.submit(adopt_tails_task, [sent], new_key, weights, spec, workers=[dst],
+                     pure=False).result()
+    holders = set(c.who_has([sent])[sent.key])
+    return sent, facts, holders
+
+
+@pytest.mark.parametrize("greedy", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_transfer_continuation_equals_uninterrupted(cluster, eos_model_dir, greedy):
+    shard, spec, weights, (a, b, _) = _setup(cluster, eos_model_dir, greedy)
+    c = cluster.client
+    whole = c.submit(generate_chunk_task, shard, weights, spec, 5, 1.0, f"whole-{greedy}",
+                     workers=[a], pure=False).result()
+    assert len(whole["cut"]) == 0
+    key = f"cut-{greedy}"
+    out = c.submit(generate_chunk_task, shard, weights, spec, 5, 0.3, key, workers=[a],
+                   pure=False).result()
+    n_cut = len(out["cut"])
+    assert 0 < n_cut < len(shard) * N_SAMPLES
+    sent, facts, holders = _move(c, key, a, b, weights, spec, f"moved-{greedy}")
+    assert facts["sequences"] == n_cut and facts["bytes"] > 0 and facts["context_tokens"] > 0
+    assert holders == {a, b}  # fetched by the target from the source, not via the driver
+    del sent
+    rest = c.submit(resume_task, f"moved-{greedy}", weights, spec, workers=[b],
+                    pure=False).result()
+    reference, moved = _by_pair([whole["done"]]), _by_pair([out["done"], rest])
+    assert reference.keys() == moved.keys()
+    b_name = rest.column("worker")[0].as_py()
+    assert b_name != out["done"].column("worker")[0].as_py()
+    for pair, (ids, lps, _) in reference.items():
+        assert moved[pair][0] == ids
+        assert max((abs(x - y) for x, y in zip(moved[pair][1], lps)), default=0.0) < 1e-6
+    assert sum(w == b_name for _, _, w in moved.values()) == n_cut
+
+
+def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
+    shard, spec, weights, (a, b, c_addr) = _setup(cluster, eos_model_dir, greedy=False)
+    c = cluster.client
+    out = c.submit(generate_chunk_task, shard, weights, spec, 9, 0.3, "dying", workers=[c_addr],
+                   pure=False).result()
+    assert len(out["cut"]) > 0
+    sent, facts, _ = _move(c, "dying", c_addr, b, weights, spec, "survivor")
+    pid = c.run(os.getpid, workers=[c_addr])[c_addr]
+    os.kill(pid, 9)  # the source's worker process, started by this test's cluster
+    deadline = time.time() + 60
+    while c_addr in c.scheduler_info(n_workers=-1)["workers"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert c_addr not in c.scheduler_info(n_workers=-1)["workers"]
+    del sent
+    rest = c.submit(resume_task, "survivor", weights, spec, workers=[b], pure=False).result()
+    done = _by_pair([out["done"], rest])
+    assert len(done) == len(shard) * N_SAMPLES
+    assert len(rest) == facts["sequences"] == len(out["cut"])
+    cluster.wait_for([cluster.worker_names("gen")[2]])  # its nanny restarts it
+
+
+@pytest.mark.parametrize("mode", ["kv", pytest.param("reconfig", marks=pytest.mark.slow)])
+def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
+    """``pipeline/tail.run_tail`` on two workers: the tails are consolidated on one (KV sent,
+    priors that make transfer the cheaper path), the other released; under ``reconfig`` a
+    profile in which two threads pay makes it fire and widen the target."""
+    shard, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=False)
+    names = cluster.worker_names("gen")[:2]
+    one = {(b, 1): 0.01 + 0.001 * b for b in (1, 8)}
+    profile = StepProfile(one | {(b, 2): s / 1.9 for (b, _), s in one.items()})
+    models = TailModels(TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
+                        ThroughputModel(), profile, kv_bytes_per_token=2048)
+    shards = [shard.take([0, 2, 4]), shard.take([1, 3])]
+    res = run_tail(cluster, names, shards, spec, weights, mode, 0.3, models,
+                   lambda n: 24.0, f"modes-{mode}")
+    pairs = _by_pair([res["rollouts"]])
+    assert len(pairs) == len(shard) * N_SAMPLES
+    decision = res["decision"]
+    assert len(decision["tails"]) == 2, decision  # both paused with a tail
+    (move,) = decision["moves"]
+    assert move["path"] == "transfer" and move["actual_s"] > 0
+    assert res["released"] == [move["source"]]
+    assert move["source"] not in cluster.worker_names("gen")
+    if mode == "reconfig":
+        assert decision["reconfig"]["fire"] and decision["threads"]["after"] == 2
+    cluster.grow("gen", 1)

@@ -1,0 +1,61 @@
+"""Transfer-vs-recompute and PAT-on-CPU reconfiguration decisions (``tail_cost.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfless.schedulers.tail_cost import (
+    StepProfile,
+    TransferModel,
+    choose_kv_path,
+    plan_reconfig,
+)
+from rlhfless.schedulers.throughput import ThroughputModel
+
+
+def test_transfer_model_fits_latency_and_bandwidth():
+    model = TransferModel()
+    for nbytes in (1e6, 4e6, 16e6):
+        model.observe(nbytes, 0.02 + nbytes / 1e8)
+    assert model.latency_s == pytest.approx(0.02) and model.bytes_per_s == pytest.approx(1e8)
+    assert model.seconds(5e7) == pytest.approx(0.52)
+
+
+def test_choice_follows_the_fitted_rates():
+    transfer, throughput = TransferModel(), ThroughputModel()
+    transfer.observe(1e6, 0.05)
+    transfer.observe(1e7, 0.14)  # 1e8 B/s, 40 ms latency
+    throughput.observe_prefill(1000, 0.1)  # 10k tokens/s
+    # a small context: recomputing 100 tokens (10 ms) beats 40 ms of latency
+    assert choose_kv_path(100, 200_000, transfer, throughput).path == "recompute"
+    # a long context: 5000 tokens take 0.5 s to recompute, their 10 MB 0.14 s to send
+    big = choose_kv_path(5000, 10_000_000, transfer, throughput)
+    assert big.path == "transfer" and big.predicted_s == pytest.approx(0.14)
+
+
+def _profile(speedup: float) -> StepProfile:
+    """1 thread: 10 ms + 1 ms per sequence; 2 threads: ``speedup`` times faster."""
+    one = {(b, 1): 0.010 + 0.001 * b for b in (1, 4, 16)}
+    return StepProfile(one | {(b, 2): s / speedup for (b, _), s in one.items()})
+
+
+TAILS = {"a": [40, 35, 30, 5], "b": [38, 20, 10]}
+
+
+def test_reconfiguration_fires_when_wider_pays_more_than_it_costs():
+    choice = plan_reconfig(TAILS, {"a": 1, "b": 1}, _profile(1.8), {"a": 0.05, "b": 0.08})
+    assert choice.fire and choice.target == "a" and choice.threads == 2
+    assert choice.move_s < choice.stay_s
+
+
+def test_reconfiguration_stays_when_threads_do_not_pay_or_moving_costs_too_much():
+    assert not plan_reconfig(TAILS, {"a": 1, "b": 1}, _profile(1.0), {"a": 0.0, "b": 0.0}).fire
+    assert not plan_reconfig(TAILS, {"a": 1, "b": 1}, _profile(1.8), {"a": 5.0, "b": 5.0}).fire
+    lone = plan_reconfig({"a": [3, 2], "b": []}, {"a": 1, "b": 1}, _profile(2.0),
+                         {"a": 0.0, "b": 0.0})
+    assert not lone.fire  # one live worker: nothing to consolidate
+
+
+def test_profile_needs_two_batch_sizes_per_thread_count():
+    with pytest.raises(ValueError, match="two batch sizes"):
+        StepProfile({(1, 1): 0.01, (1, 2): 0.008})
