@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
+from distributed import get_worker
 
 from rlhfless.schedulers.profiles import Profile
 from rlhfless.schedulers.sim_engine import WorkerRun, simulate_run
@@ -95,8 +97,6 @@ def dask_setup(worker) -> None:
 
 
 def _worker_name() -> str:
-    from distributed import get_worker
-
     try:
         return str(get_worker().name)
     except ValueError:  # outside a worker (tests)
@@ -122,6 +122,11 @@ def _expand(shard: pa.Table, n_samples: int) -> tuple[pa.Table, np.ndarray]:
         np.tile(np.arange(n_samples, dtype=np.int32), len(shard))))
     lengths = np.asarray(shard.column(LENGTHS).combine_chunks().flatten(), dtype=np.int64)
     return rows.append_column(LENGTH, pa.array(lengths)), lengths
+
+
+def _lengths(column) -> np.ndarray:
+    """Lengths of a list column's rows (no Python lists built)."""
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _tokens(counts: np.ndarray, values: pa.DataType) -> pa.ListArray:
@@ -162,7 +167,7 @@ def _stamp(table: pa.Table, run: WorkerRun, spec: EmulatedGenSpec, emulated_s: f
 def _schedule(shard: pa.Table, spec: EmulatedGenSpec, t0: float) -> tuple[pa.Table, np.ndarray,
                                                                            WorkerRun]:
     rows, lengths = _expand(shard, spec.n_samples)
-    prompt = np.asarray([len(p) for p in rows.column("prompt_ids").to_pylist()], np.int64)
+    prompt = _lengths(rows.column("prompt_ids"))
     prefill = np.zeros(len(rows))
     prefill[::spec.n_samples] = prompt[::spec.n_samples]  # each group's prompt once
     run = simulate_run(t0, np.arange(len(rows)), lengths, prompt, prefill, spec.profile,
@@ -232,8 +237,7 @@ def continue_task(cut: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec
     then the rest decoded (the *move* side)."""
     started = time.time()
     t0 = _sync(weights, spec)
-    generated = np.asarray([len(p) for p in cut.column("partial_ids").to_pylist()], np.int64)
-    prompt = np.asarray([len(p) for p in cut.column("prompt_ids").to_pylist()], np.int64)
+    generated, prompt = _lengths(cut.column("partial_ids")), _lengths(cut.column("prompt_ids"))
     lengths = cut.column(LENGTH).to_numpy()
     run = simulate_run(t0, np.arange(len(cut)), np.maximum(lengths - generated, 1),
                        prompt + generated, (prompt + generated).astype(float), spec.profile,
@@ -248,9 +252,8 @@ def update_task(trainables: list[pa.Table], weights: EmulatedWeights,
     """The update's time on the profile's learner: forward-only passes and the update over
     prompt + response tokens. Returns the metrics the driver reads (emulated seconds)."""
     started = time.time()
-    tokens = float(sum(
-        sum(len(p) for p in t.column("prompt_ids").to_pylist())
-        + sum(len(r) for r in t.column("response_ids").to_pylist()) for t in trainables))
+    tokens = float(sum(_lengths(t.column("prompt_ids")).sum()
+                       + _lengths(t.column("response_ids")).sum() for t in trainables))
     prof = spec.profile
     emulated_s = (prof.forward_seconds(tokens, spec.train_gpus)
                   + prof.update_seconds(tokens, spec.train_gpus))
