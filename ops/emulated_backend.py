@@ -103,8 +103,11 @@ def _worker_name() -> str:
         return "local"
 
 
-def _sleep_until(started: float, emulated_s: float, scale: float) -> None:
+def _sleep_until(started: float, emulated_s: float, scale: float) -> float:
+    """Sleep until ``emulated_s`` after ``started``; returns the wall seconds the task ran
+    past that (its own work took longer, or the process got no CPU in time)."""
     time.sleep(max(0.0, started + emulated_s * scale - time.time()))
+    return time.time() - (started + emulated_s * scale)
 
 
 def _sync(weights: EmulatedWeights, spec: EmulatedGenSpec) -> float:
@@ -152,15 +155,16 @@ def _rollouts(rows: pa.Table, lengths: np.ndarray, spec: EmulatedGenSpec, start:
     return pa.Table.from_pydict(columns, schema=ROLLOUTS)
 
 
-def _stamp(table: pa.Table, run: WorkerRun, spec: EmulatedGenSpec, emulated_s: float) -> pa.Table:
+def _stamp(table: pa.Table, run: WorkerRun, spec: EmulatedGenSpec, emulated_s: float,
+           late_wall_s: float) -> pa.Table:
     """The generation statistics of ``run`` in the table's schema metadata (emulated
-    seconds), the keys a real engine reports."""
+    seconds), the keys a real engine reports, and the wall seconds the task ran late."""
     prefill = float(run.prefill.sum())
     meta = {"prefill_tokens": prefill,
             "prefill_seconds": prefill / spec.profile.prefill_tokens_per_s,
             "decode_tokens": float(run.batch.sum()), "decode_steps": float(run.n_steps),
             "decode_seconds": float(run.decode_s.sum()), "gen_seconds": emulated_s,
-            "cold_start_s": 0.0}
+            "cold_start_s": 0.0, "late_wall_s": late_wall_s}
     return table.replace_schema_metadata({k: str(v) for k, v in meta.items()})
 
 
@@ -181,8 +185,8 @@ def generate_task(shard: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSp
     started = time.time()
     rows, lengths, run = _schedule(shard, spec, _sync(weights, spec))
     table = _rollouts(rows, lengths, spec, started, started + run.t_finish * spec.time_scale)
-    _sleep_until(started, run.t_finish, spec.time_scale)
-    return _stamp(table, run, spec, run.t_finish)
+    late = _sleep_until(started, run.t_finish, spec.time_scale)
+    return _stamp(table, run, spec, run.t_finish, late)
 
 
 def generate_chunk_task(shard: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec,
@@ -198,15 +202,14 @@ def generate_chunk_task(shard: pa.Table, weights: EmulatedWeights, spec: Emulate
     done, generated, _ = run.state_at(t_cut)
     paused = np.flatnonzero(~done)
     end = started + t_cut * spec.time_scale
-    table = _stamp(_rollouts(rows.filter(pa.array(done)), lengths[done], spec, started, end),
-                   run.cut(t_cut), spec, t_cut)
+    table = _rollouts(rows.filter(pa.array(done)), lengths[done], spec, started, end)
     cut = rows.take(paused)
     cut = cut.append_column("partial_ids", _tokens(generated[paused], pa.int32()))
     cut = cut.append_column("partial_logprobs", _tokens(generated[paused], pa.float32()))
     if paused.size:
         _PAUSED[key] = (run, rows.take(paused), t_cut, started)
-    _sleep_until(started, t_cut, spec.time_scale)
-    return {"done": table, "cut": cut}
+    late = _sleep_until(started, t_cut, spec.time_scale)
+    return {"done": _stamp(table, run.cut(t_cut), spec, t_cut, late), "cut": cut}
 
 
 def resume_task(key: str, weights: EmulatedWeights, spec: EmulatedGenSpec) -> pa.Table:
@@ -222,8 +225,8 @@ def resume_task(key: str, weights: EmulatedWeights, spec: EmulatedGenSpec) -> pa
     lengths = run.end[tail] - run.start[tail]
     table = _rollouts(rows, lengths, spec, chunk_started,
                       started + emulated_s * spec.time_scale)
-    _sleep_until(started, emulated_s, spec.time_scale)
-    return _stamp(table, rest, spec, emulated_s)
+    late = _sleep_until(started, emulated_s, spec.time_scale)
+    return _stamp(table, rest, spec, emulated_s, late)
 
 
 def drop_task(key: str) -> bool:
@@ -243,8 +246,8 @@ def continue_task(cut: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec
                        prompt + generated, (prompt + generated).astype(float), spec.profile,
                        spec.cap)
     table = _rollouts(cut, lengths, spec, started, started + run.t_finish * spec.time_scale)
-    _sleep_until(started, run.t_finish, spec.time_scale)
-    return _stamp(table, run, spec, run.t_finish)
+    late = _sleep_until(started, run.t_finish, spec.time_scale)
+    return _stamp(table, run, spec, run.t_finish, late)
 
 
 def update_task(trainables: list[pa.Table], weights: EmulatedWeights,
@@ -258,8 +261,9 @@ def update_task(trainables: list[pa.Table], weights: EmulatedWeights,
     emulated_s = (prof.forward_seconds(tokens, spec.train_gpus)
                   + prof.update_seconds(tokens, spec.train_gpus))
     rows = sum(len(t) for t in trainables)
-    _sleep_until(started, emulated_s, spec.time_scale)
+    late = _sleep_until(started, emulated_s, spec.time_scale)
     return {"update_seconds": emulated_s, "update_tokens": tokens, "rows": rows,
+            "late_wall_s": late,
             "reward_mean": float(np.mean(np.concatenate(
                 [t.column("reward").to_numpy() for t in trainables]))) if rows else 0.0}
 
