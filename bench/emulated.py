@@ -28,21 +28,10 @@ import time
 import numpy as np
 
 from rlhfless.pipeline.config import make_config
-from rlhfless.pipeline.emulated import as_live, run_emulated
+from rlhfless.pipeline.emulated import as_live, run_emulated, simulator_policy
 from rlhfless.pipeline.simulate import paper_scenarios
-from rlhfless.schedulers.sim_policy import PAPER_MECHANISMS, PolicyConfig
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
 from rlhfless.schedulers.workloads import synthetic_trace
-
-
-def sim_policy(cfg) -> PolicyConfig:
-    """The simulator's policy for the live one ``cfg.policy`` runs, with ``cfg``'s knobs."""
-    if cfg.policy == "static":  # the whole pool from the start to the end, round-robin
-        return PolicyConfig("static", billing="reserved", scaling="static",
-                            assignment="round_robin", migration="none", prewarm=False)
-    return PAPER_MECHANISMS.replace(  # workers are waited for, the step scored whole
-        name="elastic", prewarm=False, score_step=True, tau=cfg.tau_migrate,
-        lambda_cost=cfg.lambda_cost, ewma_alpha=cfg.ewma_alpha)
 
 
 def _mean(xs) -> float:
@@ -118,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                 live = run_emulated(cfg, trace, run_dir, train_gpus=train_gpus)
             wall = time.time() - started
             sim = simulate(trace, profile, ClusterConfig(workers, train_gpus, colocated=False),
-                           sim_policy(cfg))
+                           simulator_policy(cfg))
             result["configs"][f"{policy}-{workers}"] = {"wall_s": wall, **compare(live, sim)}
             print(f"{policy}-{workers}: {wall:.0f} s wall", file=sys.stderr)
     result["load_avg"] = os.getloadavg()

@@ -12,8 +12,14 @@ emulated seconds (``EmulatedClockLedger`` maps the wall clock), so the policy's 
 (cold starts, update seconds, step timings) and every figure here share one unit. What the
 runtime itself costs is measured on the wall clock and also given in emulated seconds: an
 iteration's *overhead* is the time during which no emulated task was running (driver
-decisions, task dispatch, transfers, scaling waits, rewards and advantages), ``scaling_s``
-the driver's time inside ``grow``/``retire``, ``transfer_s`` the workers' summed transfers.
+decisions, task dispatch, transfers, scaling waits, rewards and advantages), ``late_wall_s``
+how long emulated tasks ran past their emulated duration (their own work, or no CPU in time),
+``scaling_wall_s`` the driver's time inside ``grow``/``retire``, ``transfer_wall_s`` the
+workers' summed transfers. A worker's process start is part of its measured cold start (the
+ledger bills it); the policy learns the profile's cold start instead (``cold_starts``), so
+that its decisions are those it would take on the emulated cluster, not on this machine.
+
+Not emulated here: checkpoints (the trainer holds no state) and held-out evaluation.
 
 With ``policy = "static"`` the pool is ``gen_workers`` from the start, each prompt group
 dealt round-robin to a worker, each shard generated whole: the simulator's static policy.
@@ -36,7 +42,7 @@ from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.predictor import LengthPredictor
 from rlhfless.schedulers.profiles import Profile, get_profile
 from rlhfless.schedulers.scaling import round_robin
-from rlhfless.schedulers.sim_policy import PolicyConfig, SimPolicy
+from rlhfless.schedulers.sim_policy import PAPER_MECHANISMS, PolicyConfig, SimPolicy
 from rlhfless.schedulers.workloads import Batch, Trace
 
 from .cluster import Pool, PoolCluster
@@ -158,6 +164,16 @@ def as_live(profile: Profile) -> Profile:
     restart is a cold start (``gen_wake_s``), and a moved tail recomputes its prefix (no KV
     transfer path); the simulator takes this one to time the same policy."""
     return profile.replace(gen_wake_s=profile.gen_cold_start_s, kv_link_gbs=0.0)
+
+
+def simulator_policy(cfg: Config) -> PolicyConfig:
+    """The simulator's policy for the live one ``cfg.policy`` runs, with ``cfg``'s knobs."""
+    if cfg.policy == "static":  # the whole pool from the start to the end, round-robin
+        return PolicyConfig("static", billing="reserved", scaling="static",
+                            assignment="round_robin", migration="none", prewarm=False)
+    return PAPER_MECHANISMS.replace(  # workers are waited for, the step scored whole
+        name="elastic", prewarm=False, score_step=True, tau=cfg.tau_migrate,
+        lambda_cost=cfg.lambda_cost, ewma_alpha=cfg.ewma_alpha)
 
 
 def prior_state(cfg: Config, profile: Profile, trace: Trace) -> ElasticState:
