@@ -102,14 +102,17 @@ def main(argv: list[str] | None = None) -> dict:
                 "n_samples": trace.n_samples, "batch_prompts": trace.batches[0].n_groups,
                 "max_new_tokens": trace.max_response_tokens, "worker_memory": "1GiB",
                 "emulate_profile": scenario.profile.name, "emulate_time_scale": args.time_scale})
-            started = time.time()
-            with tempfile.TemporaryDirectory() as run_dir:
-                live = run_emulated(cfg, trace, run_dir, train_gpus=train_gpus)
-            wall = time.time() - started
+            started, name = time.time(), f"{policy}-{workers}"
             sim = simulate(trace, profile, ClusterConfig(workers, train_gpus, colocated=False),
                            simulator_policy(cfg))
-            result["configs"][f"{policy}-{workers}"] = {"wall_s": wall, **compare(live, sim)}
-            print(f"{policy}-{workers}: {wall:.0f} s wall", file=sys.stderr)
+            try:
+                with tempfile.TemporaryDirectory() as run_dir:
+                    live = run_emulated(cfg, trace, run_dir, train_gpus=train_gpus)
+                row = {"wall_s": time.time() - started, **compare(live, sim)}
+            except Exception as err:  # said in the result; the other configurations still run
+                row = {"wall_s": time.time() - started, "error": f"{type(err).__name__}: {err}"}
+            result["configs"][name] = row
+            print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
     result["load_avg"] = os.getloadavg()
     print(json.dumps(result))
     return result

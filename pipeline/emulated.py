@@ -191,6 +191,7 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
                        specs: EmulatedSpecs, seed: int) -> list:
     plan = plan_prefixes(batch, cfg.n_samples, cfg.min_prefix)
     workers = pc.worker_names("gen")
+    pc.wait_for(workers)  # a worker its nanny restarts is back before it gets a shard
     shards = take_shards(plan.prompts, round_robin(np.zeros(len(plan.prompts)), len(workers)))
     out = []
     for i, (shard, worker) in enumerate(zip(shards, workers)):
