@@ -44,6 +44,7 @@ def test_static_run_takes_the_profiles_time_plus_the_measured_overhead(tmp_path)
     assert out["memory_peak"]["processes"] >= 3
 
 
+@pytest.mark.slow
 def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
     cfg = _config("elastic", tau_migrate=0.5)
     out = run_emulated(cfg, TRACE, str(tmp_path), train_gpus=1)
