@@ -64,8 +64,8 @@ def compare(live: dict, sim) -> dict:
          "sim_moved": i.moved_sequences, "overhead_s": r["overhead_s"],
          "overhead_share": r["overhead_share"], "overhead_wall_s": r["overhead_wall_s"],
          "scaling_wall_s": r["scaling_wall_s"], "transfer_wall_s": r["transfer_wall_s"],
-         "late_wall_s": r["late_wall_s"],
-         "every_sample_once": r["samples"] == r["distinct_samples"]}
+         "late_wall_s": r["late_wall_s"], "emulated_path_s": r["emulated_path_s"],
+         "runtime_s": r["runtime_s"], "every_sample_once": r["samples"] == r["distinct_samples"]}
         for r, i, w in zip(rows, its, sim_ws)]
     out["overhead_per_iteration"] = {
         "s": _mean([r["overhead_s"] for r in rows]),
@@ -73,7 +73,9 @@ def compare(live: dict, sim) -> dict:
         "share": _mean([r["overhead_share"] for r in rows]),
         "scaling_wall_s": _mean([r["scaling_wall_s"] for r in rows]),
         "transfer_wall_s": _mean([r["transfer_wall_s"] for r in rows]),
-        "late_wall_s": _mean([r["late_wall_s"] for r in rows])}
+        "late_wall_s": _mean([r["late_wall_s"] for r in rows]),
+        "runtime_s": _mean([r["runtime_s"] for r in rows]),
+        "runtime_share": _mean([r["runtime_s"] / r["step_s"] for r in rows])}
     out["cold_starts_s"] = {"live": [round(c, 1) for c in live["cold_starts_s"]],
                             "profile": sim.profile.gen_cold_start_s}
     out["memory_peak"] = live["memory_peak"]

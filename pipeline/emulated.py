@@ -15,9 +15,12 @@ iteration's *overhead* is the time during which no emulated task was running (dr
 decisions, task dispatch, transfers, scaling waits, rewards and advantages), ``late_wall_s``
 how long emulated tasks ran past their emulated duration (their own work, or no CPU in time),
 ``scaling_wall_s`` the driver's time inside ``grow``/``retire``, ``transfer_wall_s`` the
-workers' summed transfers. A worker's process start is part of its measured cold start (the
-ledger bills it); the policy learns the profile's cold start instead (``cold_starts``), so
-that its decisions are those it would take on the emulated cluster, not on this machine.
+workers' summed transfers. ``emulated_path_s`` is the emulated work on the iteration's
+critical path (the longest shard's generation, its pieces' emulated seconds summed, plus the
+update) and ``runtime_s`` the rest of the step: everything the runtime added to it. A
+worker's process start is part of its measured cold start (the ledger bills it); the policy
+learns the profile's cold start instead (``cold_starts``), so that its decisions are those it
+would take on the emulated cluster, not on this machine.
 
 Not emulated here: checkpoints (the trainer holds no state) and held-out evaluation.
 
@@ -287,6 +290,8 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
             pc.sync_events()
             ledger.mark("iteration", it, t0, t1)
             overhead = _uncovered(stream.data, t0, t1)
+            path = max(float(t.schema.metadata[b"gen_seconds"]) for t in tables) \
+                + metrics["update_seconds"]
             late = max((float(t.schema.metadata.get(b"late_wall_s", 0)) for t in tables),
                        default=0.0) + metrics["late_wall_s"]
             memory = worker_memory()
@@ -301,6 +306,7 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
                 "update_s": metrics["update_seconds"], "reward_mean": metrics["reward_mean"],
                 "overhead_wall_s": overhead, "overhead_s": overhead / scale,
                 "overhead_share": overhead / (t1 - t0), "late_wall_s": late,
+                "emulated_path_s": path, "runtime_s": (t1 - t0) / scale - path,
                 "scaling_wall_s": pc.scaling_wall_s - scaled0,
                 "transfer_wall_s": _transfer_s(stream.data), **facts})
             run.append_jsonl("emulated.jsonl", records[-1])
