@@ -27,11 +27,9 @@ import time
 
 import numpy as np
 
-from rlhfless.pipeline.config import make_config
-from rlhfless.pipeline.emulated import as_live, run_emulated, simulator_policy
-from rlhfless.pipeline.simulate import paper_scenarios
-from rlhfless.schedulers.simulator import ClusterConfig, simulate
-from rlhfless.schedulers.workloads import synthetic_trace
+# Worker processes start by spawn, which imports this script's top level in each of them:
+# only what an emulated generation worker needs anyway is imported here (no torch), the
+# driver's modules inside main().
 
 
 def _mean(xs) -> float:
@@ -89,6 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--time-scale", type=float, default=0.05)
     args = p.parse_args(argv)
+    from rlhfless.pipeline.config import make_config
+    from rlhfless.pipeline.emulated import as_live, run_emulated, simulator_policy
+    from rlhfless.pipeline.simulate import paper_scenarios
+    from rlhfless.schedulers.simulator import ClusterConfig, simulate
+    from rlhfless.schedulers.workloads import synthetic_trace
+
     scenario = paper_scenarios()[0]  # paper-physical
     trace = synthetic_trace(dataclasses.replace(scenario.workload, iterations=args.iterations))
     train_gpus = scenario.gpus  # the scenario's learner: 16 GPUs
