@@ -29,7 +29,7 @@ CHOICES = {
     "mode": ("sync", "async", "replay", "async+replay"),
     "policy": ("static", "elastic"),
     "assignment": ("length", "round_robin"),
-    "backend": ("hf", "vllm"),
+    "backend": ("hf", "vllm", "emulated"),
     "cluster": ("local", "slurm", "pbs"),
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
@@ -111,6 +111,9 @@ class Config:
     policy: str = "static"
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
+    # backend = "emulated" (ops/emulated_backend.py): tasks take the time a GPU profile says
+    emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
+    emulate_time_scale: float = 0.05  # wall seconds per emulated second
     cluster: str = "local"
     device: str = "auto"
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
@@ -166,7 +169,8 @@ class Config:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
-        for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s"):
+        for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s",
+                    "emulate_time_scale"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         try:

@@ -37,14 +37,19 @@ from .cluster import PoolCluster
 from .config import Config
 from .metrics import generation_metrics
 from .runs import RunDir
-from .workers import (
-    advantage_task,
-    continue_task,
-    drop_task,
-    generate_chunk_task,
-    resume_task,
-    reward_task,
-)
+from .workers import advantage_task, reward_task
+
+
+def generation_tasks(backend: str):
+    """The module of the chunked-generation tasks (``generate_chunk_task``, ``resume_task``,
+    ``drop_task``, ``continue_task``) of ``backend``: the engine's, or the emulated ones."""
+    if backend == "emulated":
+        from rlhfless.ops import emulated_backend
+
+        return emulated_backend
+    from . import workers
+
+    return workers
 
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:
@@ -57,6 +62,7 @@ class ElasticGeneration:
     def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir,
                  policy: ElasticPolicy) -> None:
         self.pc, self.cfg, self.run, self.policy = pc, cfg, run, policy
+        self.tasks = generation_tasks(cfg.backend)
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -105,8 +111,8 @@ class ElasticGeneration:
             if len(shard) == 0:
                 continue
             key = f"generate-{iteration}-{i}"
-            self._submit(i, worker, self.load_of(shard), generate_chunk_task, shard, weights,
-                         specs.gen, seed + i, self.policy.knobs.tau, key, key=key)
+            self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
+                         weights, specs.gen, seed + i, self.policy.knobs.tau, key, key=key)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
@@ -175,16 +181,17 @@ class ElasticGeneration:
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
         moves = [m for m in self.policy.migrate(self.load) if m.source == worker]
         if not moves:
-            self._submit(shard, worker, self.load_of(cut, cut), resume_task, key, weights,
-                         specs.gen, key=f"resume-{iteration}-{shard}")
+            self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
+                         weights, specs.gen, key=f"resume-{iteration}-{shard}")
             return 0
-        self.pc.client.submit(drop_task, key, workers=[self.pc.address_of(worker)],
+        self.pc.client.submit(self.tasks.drop_task, key, workers=[self.pc.address_of(worker)],
                               pure=False).result()
         row_of = {seq: r for r, seq in enumerate(ids)}
         for j, move in enumerate(moves):
             part = cut.take(pa.array([row_of[s] for s in move.seq_ids], pa.int64()))
-            self._submit(shard, move.target, self.load_of(part, part), continue_task, part,
-                         weights, specs.gen, seed * 7919 + shard * 31 + j,
+            self._submit(shard, move.target, self.load_of(part, part),
+                         self.tasks.continue_task, part, weights, specs.gen,
+                         seed * 7919 + shard * 31 + j,
                          key=f"continue-{iteration}-{shard}-{j}")
             self.log(iteration, pool="gen", kind="migrate", source=worker, target=move.target,
                      sequences=len(move.seq_ids), reason=move.reason,

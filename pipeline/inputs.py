@@ -23,6 +23,9 @@ from .workers import VERIFIERS, resolve_reward
 
 def check_inputs(cfg: Config) -> None:
     """Raise ``ConfigError`` for the first path or reward of ``cfg`` that cannot work."""
+    if cfg.backend == "emulated":
+        raise ConfigError("backend = 'emulated' runs a workload trace, not a dataset: use "
+                          "rlhfless.pipeline.emulated.run_emulated (bench/emulated.py)")
     for key in ("dataset", "heldout"):
         value = getattr(cfg, key)
         if not value:
