@@ -171,7 +171,7 @@ def main() -> None:
         parser.error(f"--modes: sync first, then any of {MODES[1:]}")
     order = [*chosen, *reversed(chosen)][: len(chosen) * args.repeats]
     with tempfile.TemporaryDirectory() as runs_dir:
-        runs = [run_once(f"{mode}-{i}", mode, args, runs_dir) | {"mode": mode}
+        runs = [run_once(f"{mode.replace('+', '-')}-{i}", mode, args, runs_dir) | {"mode": mode}
                 for i, mode in enumerate(order)]
         walls = [f * args.budget_s for f in FRACTIONS]
         counts = [int(f * min(r["samples"] for r in runs)) for f in FRACTIONS]
