@@ -88,7 +88,7 @@ def replay_mode(trace: Trace, profile: Profile, cluster: ClusterConfig, policy: 
     batch = trace.batches[0].n_groups
     share = ReplayShare(batch, knobs.replay_ratio, mix="replace", sharing=knobs.replay_share)
     sim = Simulator(trace, profile, cluster, policy)
-    total = samples = replayed = 0.0
+    total, samples, replayed = 0.0, 0, 0
     buffered = 0  # groups young enough for the next draw
     for b in trace.batches:
         want = min(share.decide().replayed, buffered)
