@@ -15,7 +15,8 @@ Throughput is samples trained (fresh and replayed) per second of training, from 
 iteration's start to the last one's end. ``amdahl_bound_vs_sync`` is the most each mode could
 gain on the sync runs' own stage times, with no contention: async hides generation behind
 everything else, ``t / max(g, t - g)``; replay removes the replayed share r of it,
-``t / (t - r g)``; both, ``t / max((1 - r) g, t - g)`` (t: sync seconds per iteration, g: its
+``t / (t - r g)``; async+replay adds the replayed rows on top of a whole fresh batch (fill),
+``t / (1 - r) / max(g, (t - g) / (1 - r))`` (t: sync seconds per iteration, g: its
 generation seconds).
 
 The default pools give the generation pool and the trainer a core each (``--gen-workers 1
@@ -24,7 +25,8 @@ run leaves one pool idle while the other works. Prints one JSON line.
 
     python bench/modes.py [--budget-s 90] [--repeats 2] [--gen-workers 1] [--train-threads 1]
                           [--modes sync,async,replay,async+replay] [--replay-max-age 3]
-                          [--tis-cap 2.0]
+                          [--tis-cap 2.0] [--replay-share adaptive]
+                          [--replay-max-grad-share 0.5] [--replay-age-decay 1.0]
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from rlhfless.schedulers.ledger import CostLedger
 
 MODES = ("sync", "async", "replay", "async+replay")
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+# replay diagnostics (ops/replay_stats.py, ops/update.py), averaged over iterations
+DIAGNOSTICS = ("replay_share", "replay_grad_token_share", "replay_age_mean",
+               "tis_weight_mean_older", "fresh_informative_frac")
 
 
 def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
@@ -57,7 +62,9 @@ def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
                   train_threads=args.train_threads, batch_prompts=args.batch_prompts,
                   n_samples=args.n_samples, max_staleness=args.max_staleness,
                   replay_ratio=args.replay_ratio, replay_max_age=args.replay_max_age,
-                  tis_cap=args.tis_cap)
+                  tis_cap=args.tis_cap, replay_share=args.replay_share,
+                  replay_max_grad_share=args.replay_max_grad_share,
+                  replay_age_decay=args.replay_age_decay)
 
 
 def run_once(name: str, mode: str, args, runs_dir: str) -> dict:
@@ -79,7 +86,8 @@ def run_once(name: str, mode: str, args, runs_dir: str) -> dict:
             "generate_s_per_iteration": sum(m.get("generate_wall_s", 0.0) for m in records) / n,
             "update_s_per_iteration": sum(m.get("update_wall_s", 0.0) for m in records) / n,
             "staleness_mean": mean(m.get("staleness_mean", 0.0) for m in records),
-            "replayed_frac": sum(m.get("replayed_samples", 0) for m in records) / samples}
+            "replayed_frac": sum(m.get("replayed_samples", 0) for m in records) / samples,
+            **{key: mean(m.get(key, 0.0) for m in records) for key in DIAGNOSTICS}}
 
 
 def version_at(points: list[dict], key: str, limit: float) -> int:
@@ -112,7 +120,8 @@ def summarize(mode: str, runs: list[dict], at: list[dict], accuracy: dict, walls
     mine = [i for i, r in enumerate(runs) if r["mode"] == mode]
     out = {key: round(mean(runs[i][key] for i in mine), 3) for key in (
         "samples_per_s", "iterations", "s_per_iteration", "generate_s_per_iteration",
-        "update_s_per_iteration", "staleness_mean", "replayed_frac", "loadavg_1m")}
+        "update_s_per_iteration", "staleness_mean", "replayed_frac", "loadavg_1m",
+        *DIAGNOSTICS)}
     out["samples_per_s_each_run"] = [round(runs[i]["samples_per_s"], 2) for i in mine]
     for kind, xs in (("wall", walls), ("samples", counts)):
         out[f"accuracy_vs_{kind}"] = [
@@ -124,8 +133,10 @@ def summarize(mode: str, runs: list[dict], at: list[dict], accuracy: dict, walls
 def amdahl_bound(mode: str, t: float, g: float, r: float) -> float:
     """The most ``mode`` could gain on sync's ``t`` seconds per iteration, ``g`` of them
     generating, with a share ``r`` of the samples replayed (module docstring)."""
+    if mode == "async+replay":  # fill: the replayed rows come on top of a whole fresh batch
+        return t / (1 - r) / max(g, (t - g) / (1 - r))
     left = (1 - r) * g  # generation still needed
-    if mode in ("async", "async+replay"):
+    if mode == "async":
         return t / max(left, t - g)
     return t / (t - g + left)
 
@@ -144,6 +155,10 @@ def main() -> None:
     parser.add_argument("--replay-ratio", type=float, default=0.5)
     parser.add_argument("--replay-max-age", type=int, default=3)
     parser.add_argument("--tis-cap", type=float, default=Config.tis_cap)
+    parser.add_argument("--replay-share", choices=("fixed", "adaptive"), default="adaptive")
+    parser.add_argument("--replay-max-grad-share", type=float,
+                        default=Config.replay_max_grad_share)
+    parser.add_argument("--replay-age-decay", type=float, default=Config.replay_age_decay)
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated, sync first (the baseline)")
     parser.add_argument("--heldout", type=int, default=128)
@@ -156,7 +171,7 @@ def main() -> None:
         parser.error(f"--modes: sync first, then any of {MODES[1:]}")
     order = [*chosen, *reversed(chosen)][: len(chosen) * args.repeats]
     with tempfile.TemporaryDirectory() as runs_dir:
-        runs = [run_once(f"{mode}-{i}", mode, args, runs_dir) | {"mode": mode}
+        runs = [run_once(f"{mode.replace('+', '-')}-{i}", mode, args, runs_dir) | {"mode": mode}
                 for i, mode in enumerate(order)]
         walls = [f * args.budget_s for f in FRACTIONS]
         counts = [int(f * min(r["samples"] for r in runs)) for f in FRACTIONS]
@@ -173,7 +188,9 @@ def main() -> None:
         "train_threads": args.train_threads, "batch_prompts": args.batch_prompts,
         "n_samples": args.n_samples, "lr": args.lr, "max_staleness": args.max_staleness,
         "replay_ratio": args.replay_ratio, "replay_max_age": args.replay_max_age,
-        "tis_cap": args.tis_cap,
+        "tis_cap": args.tis_cap, "replay_share": args.replay_share,
+        "replay_max_grad_share": args.replay_max_grad_share,
+        "replay_age_decay": args.replay_age_decay,
         "heldout_prompts": args.heldout,
         "accuracy_at_start": accuracy[0, 0],
         "modes": modes,

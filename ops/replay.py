@@ -11,10 +11,14 @@ Contracts:
   returns groups with ``0 <= age <= max_age``, and drops older ones for good.
 * **Size.** At most ``max_groups`` groups; ``add`` beyond that drops the oldest (lowest
   version, then earliest added).
-* **Preference.** A group's weight is ``priority / (1 + replays so far)``, with priority 1
-  when its advantages are not all zero and ``zero_adv_weight`` (default 0) when they are:
-  such a group adds no policy gradient, so by default it is not even stored. ``sample``
-  draws without replacement in proportion to the weights.
+* **Preference.** A group's weight is ``priority / (1 + replays so far) * age_decay**age``,
+  with priority 1 when its advantages are not all zero and ``zero_adv_weight`` (default 0)
+  when they are: such a group adds no policy gradient, so by default it is not even stored.
+  ``sample`` draws without replacement in proportion to the weights; ``age_decay`` < 1 makes
+  the replayed share fall with age.
+* **Never twice in a batch.** ``sample(..., exclude=prompt_ids)`` passes over the groups of
+  those prompts (the prompts fresh in the batch being drawn): a prompt is never trained
+  fresh and replayed in one step, where its stale baseline would contradict the fresh one.
 * **Faithful rows.** Rows come back exactly as added: their ``policy_version``, behaviour
   ``logprobs`` and ``advantage`` unchanged, so the trainer corrects them like any other
   off-policy sample (``ops/offpolicy.py``).
@@ -29,6 +33,7 @@ Contracts:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +52,7 @@ GROUPS = pa.schema([pa.field("replay_group", pa.int64()), pa.field("version", pa
 class Group:
     id: int
     rows: pa.Table
+    prompt_id: str
     version: int  # the oldest policy_version among the rows
     priority: float
     uses: int = 0  # times replayed
@@ -56,7 +62,7 @@ class ReplayBuffer:
     """Recent groups, bounded by age and size; see the module docstring."""
 
     def __init__(self, max_groups: int, max_age: int, *, seed: int = 0,
-                 zero_adv_weight: float = 0.0) -> None:
+                 zero_adv_weight: float = 0.0, age_decay: float = 1.0) -> None:
         if max_groups < 1:
             raise ValueError(f"ReplayBuffer: max_groups must be >= 1, got {max_groups}")
         if max_age < 0:
@@ -64,8 +70,10 @@ class ReplayBuffer:
         if not zero_adv_weight >= 0:
             raise ValueError(f"ReplayBuffer: zero_adv_weight must be >= 0, got "
                              f"{zero_adv_weight}")
+        if not 0 < age_decay <= 1:
+            raise ValueError(f"ReplayBuffer: age_decay must be in (0, 1], got {age_decay}")
         self.max_groups, self.max_age = max_groups, max_age
-        self.seed, self.zero_adv_weight = seed, zero_adv_weight
+        self.seed, self.zero_adv_weight, self.age_decay = seed, zero_adv_weight, age_decay
         self.groups: list[Group] = []
         self.draws = 0  # calls of sample so far
         self.next_group = 0
@@ -90,7 +98,7 @@ class ReplayBuffer:
             if priority == 0:
                 continue
             members = np.flatnonzero(group == g)
-            self.groups.append(Group(self.next_group, rows.take(members),
+            self.groups.append(Group(self.next_group, rows.take(members), ids[g],
                                      int(version[members].min()), priority))
             self.next_group += 1
             added += 1
@@ -112,23 +120,29 @@ class ReplayBuffer:
                        if current_version - grp.version <= self.max_age]
         return before - len(self.groups)
 
-    def sample(self, n_groups: int, current_version: int) -> list[pa.Table]:
+    def sample(self, n_groups: int, current_version: int,
+               exclude: Collection[str] = ()) -> list[pa.Table]:
         """Up to ``n_groups`` groups (fewer when fewer are young enough), one table each,
-        drawn without replacement by weight for a trainer at ``current_version``."""
+        drawn without replacement by weight for a trainer at ``current_version``, none of a
+        prompt in ``exclude``."""
         if n_groups < 0:
             raise ValueError(f"ReplayBuffer.sample: n_groups must be >= 0, got {n_groups}")
         self.evict(current_version)
         rng = np.random.default_rng([self.seed, self.draws])
         self.draws += 1
-        k = min(n_groups, len(self.groups))
+        banned = set(exclude)
+        allowed = [grp for grp in self.groups if grp.prompt_id not in banned]
+        k = min(n_groups, len(allowed))
         if k == 0:
             return []
-        weight = np.array([grp.priority / (1 + grp.uses) for grp in self.groups])
-        chosen = rng.choice(len(self.groups), size=k, replace=False, p=weight / weight.sum())
+        weight = np.array([grp.priority / (1 + grp.uses)
+                           * self.age_decay ** (current_version - grp.version)
+                           for grp in allowed])
+        chosen = rng.choice(len(allowed), size=k, replace=False, p=weight / weight.sum())
         out = []
         for i in sorted(chosen.tolist()):
-            self.groups[i].uses += 1
-            out.append(self.groups[i].rows)
+            allowed[i].uses += 1
+            out.append(allowed[i].rows)
         return out
 
     def ages(self, current_version: int) -> np.ndarray:
@@ -172,6 +186,8 @@ class ReplayBuffer:
             members = np.flatnonzero(ids == gid)
             if members.size == 0:
                 raise ValueError(f"ReplayBuffer.load_state_dict: group {gid} has no rows")
-            restored.append(Group(gid, body.take(members), version, priority, uses))
+            rows_of = body.take(members)
+            restored.append(Group(gid, rows_of, rows_of.column("prompt_id")[0].as_py(),
+                                  version, priority, uses))
         self.groups = restored
         self.draws, self.next_group = int(meta[b"draws"]), int(meta[b"next_group"])

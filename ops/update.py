@@ -21,7 +21,10 @@ update runs each prompt once, not n times (``forward_tokens`` vs ``forward_token
 Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
 the trainer's own log-probabilities before this update (the proximal policy, recorded at the
 first epoch) and each token's loss is weighted by ``min(pi_prox / pi_behaviour, tis_cap)``;
-``ops/offpolicy.py`` states the objective and a hand-checkable example.
+``ops/offpolicy.py`` states the objective and a hand-checkable example. The weights of the
+rows generated before the batch's newest version (the replayed rows, in the replay modes)
+are reported apart as well (``tis_weight_mean_older``, ``tis_truncated_frac_older``, over
+``older_token_frac`` of the tokens).
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
     if params.tis_cap is not None:
         totals |= {"tis_weight_mean": 0.0, "tis_truncated_frac": 0.0}
+        version = trainable.column("policy_version").to_numpy()
+        older = version < version.max()  # [N] rows behind the batch's newest version
+        older_totals = {"tis_weight_mean_older": 0.0, "tis_truncated_frac_older": 0.0,
+                        "older_tokens": 0.0}
     prox: dict[int, torch.Tensor] = {}  # micro-batch -> proximal logprobs [B, T] (epoch 0)
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -190,6 +197,13 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                                ("tis_truncated_frac", terms.truncated)):
                 if key in totals:
                     totals[key] += value[scored].sum().item() / n_tokens / params.epochs
+            if params.tis_cap is not None:
+                mine = scored & torch.tensor(older[mb], device=device)[:, None]  # [B, R]
+                older_totals["older_tokens"] += mine.sum().item() / params.epochs
+                older_totals["tis_weight_mean_older"] += (
+                    terms.weight[mine].sum().item() / params.epochs)
+                older_totals["tis_truncated_frac_older"] += (
+                    terms.truncated[mine].sum().item() / params.epochs)
         if ranks is not None:
             sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
@@ -204,7 +218,21 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
         totals = {k: summed[k] for k in totals}
         counts = {k: int(summed[k]) + (n_tokens if k != "micro_batches" else 0)
                   for k in local}
+    if params.tis_cap is not None:
+        totals |= older_summary(older_totals, n_tokens, device, ranks)
     return totals | counts | {
         "grad_norm": float(full_tensor(grad_norm)),
         "tokens": n_tokens,
     }
+
+
+def older_summary(sums: dict[str, float], n_tokens: int, device: torch.device,
+                  ranks: Ranks | None) -> dict[str, float]:
+    """Means over the older rows' tokens from their sums (over every rank's share)."""
+    if ranks is not None:
+        sums = all_reduce_sum(sums, device)
+    tokens = sums["older_tokens"]
+    return {"older_token_frac": tokens / n_tokens,
+            "tis_weight_mean_older": sums["tis_weight_mean_older"] / tokens if tokens else 0.0,
+            "tis_truncated_frac_older": (sums["tis_truncated_frac_older"] / tokens
+                                         if tokens else 0.0)}

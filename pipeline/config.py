@@ -27,6 +27,7 @@ from .security import check_security
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
     "mode": ("sync", "async", "replay", "async+replay"),
+    "replay_share": ("fixed", "adaptive"),
     "policy": ("static", "elastic"),
     "assignment": ("length", "round_robin"),
     "backend": ("hf", "vllm", "emulated"),
@@ -106,6 +107,9 @@ class Config:
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
     replay_max_age: int = 2  # replay: a group older than this many versions is not replayed
     replay_size: int = 64  # replay: the most groups the buffer holds
+    replay_share: str = "fixed"  # fixed: replay_ratio always; adaptive: by gen/update balance
+    replay_age_decay: float = 1.0  # replay: a group's draw weight shrinks by this per version
+    replay_max_grad_share: float = 0.5  # replay: most replayed share of informative groups
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"
@@ -276,6 +280,9 @@ def check_mode(cfg: Config) -> None:
             "many versions older than the batches it can join, so none would ever be replayed")
     if not cfg.tis_cap >= 1:
         raise ConfigError(f"tis_cap = {cfg.tis_cap} must be >= 1 (an on-policy token weighs 1)")
+    for key in ("replay_age_decay", "replay_max_grad_share"):
+        if not 0 < getattr(cfg, key) <= 1:
+            raise ConfigError(f"{key} = {getattr(cfg, key)} must be in (0, 1]")
     if not 0 <= cfg.replay_ratio < 1:
         raise ConfigError(f"replay_ratio = {cfg.replay_ratio} must be in [0, 1): every batch "
                           "generates at least one prompt")

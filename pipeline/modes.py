@@ -17,16 +17,30 @@ shards (milliseconds) before it submits the update; the elastic controller gener
 process instead, so there the update goes first.
 
 ``mode = "replay"`` (ReFlow: experience replay). Generation is synchronous, but each batch
-takes ``round(replay_ratio * batch_prompts)`` groups (at most ``batch_prompts - 1``) from a
-``ReplayBuffer`` of informative groups at most ``replay_max_age`` versions old and generates
-only the rest. Generation demand shrinks with it: the static graph's shards get fewer
-prompts, and the elastic policy sizes its pool from the prompts actually generated. After
-the update the fresh groups join the buffer.
+takes up to ``round(replay_ratio * batch_prompts)`` groups (at most ``batch_prompts - 1``)
+from a ``ReplayBuffer`` of informative groups at most ``replay_max_age`` versions old and
+generates only the rest (*replace*). Generation demand shrinks with it: the static graph's
+shards get fewer prompts, and the elastic policy sizes its pool from the prompts actually
+generated. After the update the fresh groups join the buffer.
 
 ``mode = "async+replay"`` does both: batches are generated ahead as in async mode, and each
-takes its replayed share from the buffer when it is drawn (fresh groups join the buffer when
-their update is done, so a batch drawn ahead does not see the groups of the update running
-beside it). Fresh rows lag at most ``max_staleness`` versions, replayed ones at most
+takes its replayed groups from the buffer when it is drawn (fresh groups join the buffer
+when their update is done, so a batch drawn ahead does not see the groups of the update
+running beside it). Here the replayed groups come *on top of* a whole fresh batch (*fill*):
+they use the trainer's idle time while the next batch is generated, and never displace
+fresh data.
+
+How many groups are replayed is the decision of ``schedulers/replay_share.py``: with
+``replay_share = "adaptive"`` it follows the measured generation/update balance (more replay
+when generation is the bottleneck), with ``"fixed"`` it is ``replay_ratio`` of the batch;
+each decision is a record in ``decisions.jsonl`` (``pool = "replay"``) and the share is in
+the iteration's record (``replay_share``). A prompt fresh in a batch is never replayed in it
+(``ReplayBuffer.sample(exclude=...)``); ``replay_age_decay`` < 1 prefers younger groups. The
+iteration record carries the diagnostics of ``ops/replay_stats.py`` (advantage drift,
+gradient share, ages, diversity) and the update's importance weights of the replayed rows
+(``tis_weight_mean_older``).
+
+In async+replay, fresh rows lag at most ``max_staleness`` versions, replayed ones at most
 ``replay_max_age``, which must be at least ``2 * max_staleness + 1``: batch j, generated with
 ``v_{j-1-s}`` (s = max_staleness), joins the buffer after update j, when the batch being
 drawn is j+1+s, for trainer ``v_{j+s}``, so its groups are ``2s + 1`` versions old there.
@@ -44,7 +58,9 @@ exactly the version the loop reports: checkpoints and trainer checks see a settl
 
 Checkpoint state: after every step the runner leaves its state in ``durable.tables`` (saved
 with each checkpoint): ``mode_state`` (one row: ``sampler_position``, the data position of
-the batches consumed so far, and ``iteration``) and, in replay mode, the buffer's
+the batches consumed so far, ``iteration``, and the share policy's smoothed seconds
+``share_gen_s``, ``share_update_s`` and ``share_informative``, null before a
+measurement) and, in replay mode, the buffer's
 ``replay_rows`` and ``replay_groups`` (``ReplayBuffer.state_dict``). When the loop goes back
 to a checkpoint (resume, recovery), the next ``step`` sees the jump, drops the batches in
 flight and restores from ``durable.tables``; batches generated ahead are drawn again.
@@ -64,6 +80,8 @@ from distributed import Future, wait
 from rlhfless.ops.offpolicy import check_staleness
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.replay import ReplayBuffer
+from rlhfless.ops.replay_stats import replay_diagnostics
+from rlhfless.schedulers.replay_share import ReplayShare
 
 from .config import Config
 from .graph import trainable_graph
@@ -132,6 +150,11 @@ class ModeRunner:
         self.eg = eg if cfg.policy == "elastic" else None
         self.ahead = cfg.max_staleness if cfg.overlaps else 0
         self.buffer = self._new_buffer()
+        self.share = ReplayShare(cfg.batch_prompts, cfg.replay_ratio,
+                                 mix="fill" if cfg.overlaps else "replace",
+                                 sharing=cfg.replay_share,
+                                 max_grad_share=cfg.replay_max_grad_share)
+        self.log_decision = eg.log
         self.jobs: dict[int, Job] = {}
         self.expected = self.next = 1  # the next step, and the next batch to generate
         self.consumed = sampler.position  # data position of the batches trained so far
@@ -140,7 +163,8 @@ class ModeRunner:
     def _new_buffer(self) -> ReplayBuffer | None:
         if not self.cfg.replays:
             return None
-        return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed)
+        return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed,
+                            age_decay=self.cfg.replay_age_decay)
 
     # ---- the loop's side ---------------------------------------------------------------
 
@@ -173,7 +197,13 @@ class ModeRunner:
     def state_dict(self) -> dict[str, pa.Table]:
         """The runner's checkpoint tables (see the module docstring)."""
         tables = {"mode_state": pa.table({"sampler_position": [self.consumed],
-                                          "iteration": [self.expected - 1]})}
+                                          "iteration": [self.expected - 1],
+                                          "share_gen_s": pa.array([self.share.gen_s],
+                                                                  pa.float64()),
+                                          "share_update_s": pa.array([self.share.update_s],
+                                                                     pa.float64()),
+                                          "share_informative": pa.array(
+                                              [self.share.informative], pa.float64())})}
         if self.buffer is not None:
             tables |= self.buffer.state_dict()
         return tables
@@ -187,7 +217,12 @@ class ModeRunner:
         self.expected = self.next = iteration
         tables = self.durable.tables if self.durable is not None else {}
         if "mode_state" in tables:
-            self.sampler.position = int(tables["mode_state"].column("sampler_position")[0])
+            state = tables["mode_state"]
+            self.sampler.position = int(state.column("sampler_position")[0])
+            if "share_gen_s" in state.column_names:
+                self.share.gen_s = state.column("share_gen_s")[0].as_py()
+                self.share.update_s = state.column("share_update_s")[0].as_py()
+                self.share.informative = state.column("share_informative")[0].as_py()
         self.consumed = self.sampler.position
         self.buffer = self._new_buffer()
         if self.buffer is not None and "replay_groups" in tables:
@@ -202,12 +237,7 @@ class ModeRunner:
             self.next += 1
 
     def _generate(self, i: int, target: int, weights: WeightsRef) -> Job:
-        replayed: list[pa.Table] = []
-        if self.buffer is not None:
-            want = min(round(self.cfg.replay_ratio * self.cfg.batch_prompts),
-                       self.cfg.batch_prompts - 1)
-            replayed = self.buffer.sample(want, target)
-        batch = self.sampler.next_batch(self.cfg.batch_prompts - len(replayed))
+        batch, replayed = self._draw(i, target)
         seed = self.cfg.seed * 1_000_003 + i
         submitted, shards, facts = time.time(), [], {}
         if self.eg is not None:  # blocking: overlaps the update already submitted
@@ -223,6 +253,26 @@ class ModeRunner:
             wait(shards)  # made on the trainer, which an update submitted next would hold
         return Job(i, target, weights, len(batch), replayed, plan, trainables, facts,
                    submitted, self.sampler.position, shards)
+
+    def _draw(self, i: int, target: int) -> tuple[pa.Table, list[pa.Table]]:
+        """Batch ``i``'s fresh prompts and replayed groups, for trainer ``v{target}``: as
+        many replayed as the share policy decides and the buffer holds (replace: fresh
+        prompts fill what the buffer lacks), none of a prompt fresh in the batch."""
+        if self.buffer is None:
+            return self.sampler.next_batch(), []
+        decision = self.share.decide()
+        batch = self.sampler.next_batch(decision.fresh)
+        replayed = self.buffer.sample(decision.replayed, target,
+                                      exclude=batch.column("prompt_id").to_pylist())
+        if decision.fresh + len(replayed) < self.cfg.batch_prompts:
+            more = self.sampler.next_batch(self.cfg.batch_prompts - decision.fresh
+                                           - len(replayed))
+            batch = pa.concat_tables([batch, more])
+        self.log_decision(i, pool="replay", kind="replay_share", mix=self.share.mix,
+                          sharing=self.share.sharing, target_version=target,
+                          max_age=self.cfg.replay_max_age, buffer_groups=len(self.buffer),
+                          drawn=len(replayed), **decision.to_record())
+        return batch, replayed
 
     # ---- consumer ----------------------------------------------------------------------
 
@@ -265,6 +315,11 @@ class ModeRunner:
             self.eg.after_update(update["update_seconds"],
                                  [generation_metrics([t]) for t in trainables])
         if self.buffer is not None:
+            record |= replay_diagnostics(fresh, job.replayed, weights.version)
+            record["replay_share"] = len(job.replayed) / (job.prompts + len(job.replayed))
+            gen_s = record.get("generation_s", record.get("generate_wall_s", 0.0))
+            self.share.observe(gen_s, job.prompts, update["update_seconds"],
+                               job.prompts + len(job.replayed), record["fresh_informative_frac"])
             self.buffer.add(fresh)
             record["replay_buffer_groups"] = len(self.buffer)
         self.expected, self.consumed = job.iteration + 1, job.position

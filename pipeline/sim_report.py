@@ -3,7 +3,8 @@
 ``write_report(reports, out_dir, pat=...)`` takes what ``simulate.run_scenario`` returns for
 each scenario (and ``simulate.run_pat`` for PAT's settings) and writes ``report.md``
 (headline vs the paper, one table per scenario with every baseline, ablation and the upper
-bound, the sweeps, PAT vs static TP), ``results.json`` and ``pat.json`` (the same rows), and
+bound, the sweeps, PAT vs static TP, the training modes vs sync), ``results.json``,
+``pat.json`` and ``modes.json`` (the same rows), and
 per scenario three
 plots comparing the verl baselines with our policy: step time per iteration, GPU-seconds
 per iteration, and GPUs billed vs busy over time. matplotlib is an optional dependency (the
@@ -195,8 +196,28 @@ def pat_table(pats: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def modes_table(modes: list[dict[str, Any]]) -> str:
+    """Trained samples per second of each mode against sync, the papers' figures beside."""
+    lines = ["| setting | mode | samples/s | vs sync | paper (vs its sync) | replayed | "
+             "max staleness | GPUs gen + learner |", "|---|---|---:|---:|---|---:|---:|---|"]
+    for rep in modes:
+        sc = rep["scenario"]
+        where = (f"{sc['name']}: {sc['profile']['name']}, {sc['gpus']} GPUs, "
+                 f"{sc['workload']['name']}")
+        for r in rep["rows"]:
+            gpus = (f"{r['gen_gpus']} + {r['train_gpus']}" if "gen_gpus" in r
+                    else f"{sc['gpus']} shared")
+            bound = (f" (fill bound {r['fill_bound_vs_async']:.2f}x async)"
+                     if "fill_bound_vs_async" in r else "")
+            lines.append(f"| {where} | {r['mode']} | {r['samples_per_s']:.1f} | "
+                         f"{r['vs_sync']:.2f}x{bound} | {r['paper'] or '-'} | "
+                         f"{_pct(r['replayed_frac'])} | {r['staleness_max']} | {gpus} |")
+    return "\n".join(lines)
+
+
 def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = True,
-                 pat: list[dict[str, Any]] | None = None) -> str:
+                 pat: list[dict[str, Any]] | None = None,
+                 modes: list[dict[str, Any]] | None = None) -> str:
     """Write ``report.md``, ``results.json`` and the plots; returns the printed text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     images: list[Path] = []
@@ -215,10 +236,17 @@ def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = Tru
         body += ("\n\n## PAT: adaptive TP in the generation tail\n\nverl-tuned at a static "
                  "TP, with and without PAT's mid-generation merges (reserved pool, so GPU-s "
                  "follow the step time).\n\n" + pat_table(pat))
+    if modes:
+        body += ("\n\n## Training modes vs sync\n\nThe same trace and policy; async modes "
+                 "on the fastest split of the GPUs into a generation pool and a learner, sync "
+                 "and replay on the scenario's own cluster (schedulers/sim_modes.py).\n\n"
+                 + modes_table(modes))
     figs = "\n".join(f"![{p.stem}]({p.name})" for p in images)
     (out_dir / "report.md").write_text(f"{head}\n\n{body}\n\n{figs}\n")
     clean = [{k: v for k, v in rep.items() if k != "results"} for rep in reports]
     (out_dir / "results.json").write_text(json.dumps(clean, indent=1, default=float))
     if pat:
         (out_dir / "pat.json").write_text(json.dumps(pat, indent=1, default=float))
+    if modes:
+        (out_dir / "modes.json").write_text(json.dumps(modes, indent=1, default=float))
     return f"{head}\n\n{body}"

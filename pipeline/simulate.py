@@ -3,6 +3,10 @@
     rlhfless simulate [scenario.toml ...] [--out DIR] [--iterations N] [--quick]
     rlhfless simulate scenario.toml --plan (--deadline SECONDS | --budget GPU_S)
 
+Every scenario also runs the training modes against sync (``sim_modes``: async, replay,
+async+replay with our policy; ``modes.json``), and without a scenario file a long
+chain-of-thought setting for the modes alone (``modes_scenarios``).
+
 Without a scenario file the two settings of the RLHFless paper are simulated, its physical
 testbed (GRPO, Qwen2.5-3B, GSM8K-like lengths, 16 L40S) and its simulated cluster
 (Llama2-70B, 20 x 8 H100), and PAT's two (``run_pat``: static TP against PAT on long
@@ -46,6 +50,7 @@ import tomllib
 from rlhfless.schedulers.profile_fit import profile_from_run
 from rlhfless.schedulers.profiles import Profile, get_profile
 from rlhfless.schedulers.sim_bounds import iteration_bounds
+from rlhfless.schedulers.sim_modes import simulate_modes
 from rlhfless.schedulers.sim_policy import (
     ELASTIC,
     ORACLE,
@@ -123,6 +128,18 @@ def paper_scenarios() -> list[Scenario]:
 
 
 PAT_PAPER = {"gen_change": -0.346, "step_change": -0.272}  # PAT's headline vs static TP
+
+
+def modes_scenarios() -> list[Scenario]:
+    """The modes' own setting: long chain-of-thought (DeepScaleR-like lengths, 8K cap),
+    Qwen3-14B on 32 H100, where generation weighs most."""
+    return [Scenario("long-cot-modes", get_profile("Qwen3-14B@H100"), 32, LONG_COT)]
+
+
+def run_modes(sc: Scenario) -> dict[str, Any]:
+    """sync, replay, async and async+replay of ``sc`` with our policy (``sim_modes``)."""
+    rows = simulate_modes(synthetic_trace(sc.workload), sc.profile, sc.cluster, sc.policy)
+    return {"scenario": sc.to_record(), "rows": rows}
 
 
 def pat_scenarios() -> list[Scenario]:
@@ -333,9 +350,11 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
     """Entry point of ``rlhfless simulate`` (argument parsing lives in ``cli.py``)."""
     scs = [load_scenario(p) for p in scenarios] if scenarios else paper_scenarios()
     pat_scs = [] if scenarios else pat_scenarios()
+    mode_scs = scs + ([] if scenarios else modes_scenarios())
     if iterations is not None:
-        scs, pat_scs = ([dataclasses.replace(s, workload=dataclasses.replace(
-            s.workload, iterations=iterations)) for s in group] for group in (scs, pat_scs))
+        scs, pat_scs, mode_scs = ([dataclasses.replace(s, workload=dataclasses.replace(
+            s.workload, iterations=iterations)) for s in group]
+            for group in (scs, pat_scs, mode_scs))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan_mode:
@@ -346,7 +365,8 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
         return 0
     reports = [run_scenario(sc, sweeps=not quick) for sc in scs]
     pats = [run_pat(sc) for sc in pat_scs]
-    text = write_report(reports, out_dir, plots=plots, pat=pats)
+    modes = [run_modes(sc) for sc in mode_scs]
+    text = write_report(reports, out_dir, plots=plots, pat=pats, modes=modes)
     print(text)
     print(f"\nreport written to {out_dir / 'report.md'}")
     return 0

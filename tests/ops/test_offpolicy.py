@@ -138,3 +138,24 @@ def test_update_weighs_each_token_by_the_truncated_ratio(model, tokenizer, rollo
     assert corrected["tis_truncated_frac"] == (1.0 if weight == cap else 0.0)
     assert corrected["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert corrected["pg_loss"] == pytest.approx(weight * on_policy["pg_loss"], rel=1e-3)
+
+
+def test_older_rows_weights_are_reported_apart(model, tokenizer, rollouts):
+    """Rows of an older version (replayed, in the replay modes) get their own TIS figures:
+    here the older rows were generated at 1/1.5 of the trainer's probability, the newest
+    ones by the trainer itself (weight 1)."""
+    n = rollouts.num_rows
+    older = _with_behaviour_shift(rollouts.slice(0, n // 2), log(1.5))
+    newest = rollouts.slice(n // 2)
+    index = rollouts.schema.get_field_index("policy_version")
+    field = rollouts.schema.field(index)
+    mixed = pa.concat_tables([
+        older.set_column(index, field, pa.array([2] * older.num_rows, pa.int64())),
+        newest.set_column(index, field, pa.array([4] * newest.num_rows, pa.int64()))])
+    policy = copy.deepcopy(model)
+    out = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.0), mixed,
+                        UpdateParams(tis_cap=2.0), tokenizer.pad_token_id)
+    old_tokens = sum(len(r) for r in older.column("response_ids").to_pylist())
+    assert out["older_token_frac"] == pytest.approx(old_tokens / out["tokens"])
+    assert out["tis_weight_mean_older"] == pytest.approx(1.5, rel=1e-4)
+    assert out["tis_truncated_frac_older"] == 0.0

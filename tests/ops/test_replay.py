@@ -138,3 +138,23 @@ def test_bad_arguments_and_state_are_named():
         ReplayBuffer(2, 1).add(trainable(0, [True], "x").drop_columns(["advantage"]))
     with pytest.raises(ValueError, match=r"missing tables \['replay_rows'\]"):
         ReplayBuffer(2, 1).load_state_dict({"replay_groups": pa.table({})})
+
+
+def test_a_prompt_fresh_in_the_batch_is_never_replayed():
+    buffer = ReplayBuffer(8, 3, seed=0)
+    buffer.add(trainable(0, [True, True, True], tag="p"))
+    got = buffer.sample(3, 1, exclude=["p-0", "p-2"])
+    assert [t.column("prompt_id")[0].as_py() for t in got] == ["p-1"]
+
+
+def test_age_decay_prefers_young_groups():
+    counts = {"old": 0, "young": 0}
+    for seed in range(200):
+        buffer = ReplayBuffer(8, 3, seed=seed, age_decay=0.1)
+        buffer.add(trainable(0, [True], tag="old"))
+        buffer.add(trainable(3, [True], tag="young"))
+        (group,) = buffer.sample(1, 3)
+        counts[group.column("prompt_id")[0].as_py().split("-")[0]] += 1
+    assert counts["young"] > 150  # weights 1 and 0.001: the old one almost never
+    with pytest.raises(ValueError, match="age_decay"):
+        ReplayBuffer(8, 3, age_decay=0.0)

@@ -72,10 +72,14 @@ def test_async_replay_with_the_elastic_policy_keeps_both_bounds(tiny_model_dir, 
     assert [m["generated_by"] for m in records] == [0, 0, 1, 2]
     scaled = {d["iteration"]: d["prompts"] for d in run.read_jsonl("decisions.jsonl")
               if d["kind"] == "scale"}
+    shares = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "replay_share"]
+    assert [d["iteration"] for d in shares] == [1, 2, 3, 4]
     for m in records:
         trainer = m["iteration"] - 1
         assert m["policy_version"] == trainer
-        assert m["fresh_prompts"] + m["replayed_groups"] == cfg.batch_prompts
+        assert m["fresh_prompts"] == cfg.batch_prompts  # fill: replayed groups come on top
+        assert m["samples"] == (m["fresh_prompts"] + m["replayed_groups"]) * cfg.n_samples
+        assert m["replayed_groups"] <= 3  # round(0.5 * 6)
         assert scaled[m["iteration"]] == m["fresh_prompts"]
         table = pq.read_table(run.path / "rollouts" / f"iter-{m['iteration']:05d}.parquet")
         assert len(table) == m["fresh_prompts"] * cfg.n_samples

@@ -34,6 +34,12 @@ def test_simulate_writes_report_and_prints_headline(tmp_path, capsys):
         assert row in report, row
     results = json.loads((out / "results.json").read_text())
     assert [r["scenario"]["name"] for r in results] == ["paper-physical", "paper-simulated"]
+    assert "Training modes vs sync" in report and "ReFlow 2.06x" in report
+    modes = json.loads((out / "modes.json").read_text())
+    assert [m["scenario"]["name"] for m in modes] == ["paper-physical", "paper-simulated",
+                                                      "long-cot-modes"]
+    assert all([r["mode"] for r in m["rows"]] == ["sync", "replay", "async", "async+replay"]
+               for m in modes)
     pytest.importorskip("matplotlib")
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert len(pngs) == 6 and all((out / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
