@@ -23,16 +23,13 @@ How each piece is kept equal, for a hidden size ``h`` widened to ``H``:
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from .tinymodel import default_cache_dir, ensure_tiny_model
+from .tinymodel import cached_build, default_cache_dir, ensure_tiny_model
 
 NEW_WEIGHT_STD = 0.02  # reads of the new units: random, so no kernel meets an all-zero input
 
@@ -101,19 +98,13 @@ def ensure_bench_model(name: str, cache_dir: str | Path | None = None, log=print
         raise ValueError(f"bench model {name!r}; allowed: tiny, {', '.join(BENCH_SIZES)}")
     size = BENCH_SIZES[name]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = root / f"{tiny.name}-wide-{size.key()}"
-    if (final / "COMPLETE").exists():
-        return final
-    tmp = root / f".{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    wide = widen(LlamaForCausalLM.from_pretrained(tiny), size)
-    wide.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp)
-    params = sum(p.numel() for p in wide.parameters())
-    (tmp / "COMPLETE").write_text(json.dumps({"size": asdict(size), "params": params}))
-    log(f"bench model {name}: {params / 1e6:.1f}M params")
-    try:
-        tmp.rename(final)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    def build(tmp: Path) -> dict:
+        wide = widen(LlamaForCausalLM.from_pretrained(tiny), size)
+        wide.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp)
+        params = sum(p.numel() for p in wide.parameters())
+        log(f"bench model {name}: {params / 1e6:.1f}M params")
+        return {"size": asdict(size), "params": params}
+
+    return cached_build(root / f"{tiny.name}-wide-{size.key()}", build)

@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,15 +86,25 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     """Return the directory of the built model, building it if it is not cached yet."""
     recipe = recipe or TinyRecipe()
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = root / f"tiny-{recipe.key()}"
+
+    def build(tmp: Path) -> dict:
+        started = time.perf_counter()
+        build_tiny_model(tmp, recipe, log=log)
+        return {"seconds": time.perf_counter() - started}
+
+    return cached_build(root / f"tiny-{recipe.key()}", build)
+
+
+def cached_build(final: Path, build: Callable[[Path], dict]) -> Path:
+    """``final``, made by ``build(tmp)`` in a fresh temporary directory beside it (its
+    return value goes into the ``COMPLETE`` marker, written last) and renamed into place,
+    unless a complete one is cached already; a half-built directory is never ``final``."""
     if (final / "COMPLETE").exists():
         return final
-    tmp = root / f".tiny-{recipe.key()}-{os.getpid()}"
+    tmp = final.parent / f".{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    started = time.perf_counter()
-    build_tiny_model(tmp, recipe, log=log)
-    (tmp / "COMPLETE").write_text(json.dumps({"seconds": time.perf_counter() - started}))
+    (tmp / "COMPLETE").write_text(json.dumps(build(tmp)))
     try:
         tmp.rename(final)
     except OSError:  # another process finished the same build first
