@@ -59,9 +59,12 @@ def seq_id(prompt_id: str, sample_idx: int) -> str:
 class ElasticGeneration:
     """Generation of one iteration under the elastic policy; see the module docstring."""
 
-    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir,
-                 policy: ElasticPolicy) -> None:
+    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, policy: ElasticPolicy,
+                 rest_workers: float | None = None) -> None:
+        """``rest_workers``: generation workers' worth billed while the rest of the step runs
+        (default: the trainer's workers)."""
         self.pc, self.cfg, self.run, self.policy = pc, cfg, run, policy
+        self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
 
     # ---- decisions ---------------------------------------------------------------------
@@ -77,10 +80,9 @@ class ElasticGeneration:
         pred, pred_max = self.policy.predict(ids)
         prompt_tokens = np.array([len(p) for p in prompts.column("prompt_ids").to_pylist()])
         warm = self.pc.worker_names("gen")
-        after = self.policy.update_seconds  # whole-step scoring: the update, on one trainer
         decision = self.policy.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
                                     keep_warm=len(warm), max_workers=self.cfg.gen_workers,
-                                    fixed_seconds=after, fixed_cost_ws=after)
+                                    rest_workers=self.rest_workers)  # whole-step scoring
         n = decision.n_workers
         workers = self.pc.scale("gen", n, close=warm[n:])
         record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),

@@ -262,7 +262,7 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
     records, peak = [], {"rss_gib": 0.0}
     weights = emu.EmulatedWeights(0)
     with TimedPoolCluster(pools, ledger, deployment=deployment) as pc:
-        eg = ElasticGeneration(pc, cfg, run, state)
+        eg = ElasticGeneration(pc, cfg, run, state, rest_workers=train_gpus / profile.tp)
         for batch in trace.batches:
             it, t0, scaled0 = batch.iteration, time.time(), pc.scaling_wall_s
             table = prompts_table(batch, cfg.seed)

@@ -79,6 +79,7 @@ class ElasticPolicy:
         self.throughput = throughput if throughput is not None else ThroughputModel()
         self.kv_seconds_per_token = kv_seconds_per_token  # None: a moved tail is recomputed
         self.update_seconds = 0.0  # EWMA of the seconds after generation (0: none seen yet)
+        self.planned_generation_s = 0.0  # the last plan's predicted generation seconds
         self.seen_cold_starts = 0  # cold starts already fed to the throughput model
 
     # ---- plan --------------------------------------------------------------------------
@@ -93,16 +94,21 @@ class ElasticPolicy:
 
     def plan(self, pred_mean: np.ndarray, pred_max: np.ndarray, n_samples: int,
              prompt_tokens: np.ndarray, *, keep_warm: int, max_workers: int,
-             min_workers: int = 1, assign: Assign | None = None, fixed_seconds: float = 0.0,
-             fixed_cost_ws: float = 0.0) -> ScalingDecision:
-        """This iteration's worker count and assignment. ``fixed_*``: the rest of the step
-        (what follows generation), scored with it; see ``choose_generation_workers``."""
-        return choose_generation_workers(
+             min_workers: int = 1, assign: Assign | None = None,
+             rest_workers: float | None = None) -> ScalingDecision:
+        """This iteration's worker count and assignment. ``rest_workers``: the rest of the
+        step (what follows generation, ``update_seconds`` as last seen) is scored with it,
+        billed at that many generation workers' worth (the trainer's workers, or GPUs / TP);
+        None: generation alone is scored. See ``choose_generation_workers``."""
+        rest_s = 0.0 if rest_workers is None else self.update_seconds
+        decision = choose_generation_workers(
             pred_mean, n_samples, self.throughput, max_workers=max_workers,
             min_workers=min_workers, lambda_cost=self.knobs.lambda_cost, keep_warm=keep_warm,
             assign=assign or self.assign(), pred_max_lengths=pred_max,
-            prompt_tokens=prompt_tokens, fixed_seconds=fixed_seconds,
-            fixed_cost_ws=fixed_cost_ws)
+            prompt_tokens=prompt_tokens, fixed_seconds=rest_s,
+            fixed_cost_ws=rest_s * (rest_workers or 0.0))
+        self.planned_generation_s = decision.predicted_seconds
+        return decision
 
     # ---- the tail ----------------------------------------------------------------------
 
@@ -127,17 +133,20 @@ class ElasticPolicy:
             return self.knobs.keep_alive_s
         return self.throughput.cold_start_s if restart_s is None else restart_s
 
+    def rest_of_step_s(self) -> float:
+        """Seconds from the end of generation to the end of the step: as measured; before the
+        first measurement, the planned generation's seconds (published verl steps spend
+        25–50 % of a step generating, so the rest is at least as long as generation)."""
+        return self.update_seconds if self.update_seconds > 0 else self.planned_generation_s
+
     def idle_gap_s(self, generation_left_s: float) -> float:
         """Predicted seconds until an idle generation worker is used again: the rest of this
         generation, then what follows it."""
-        return max(generation_left_s, 0.0) + self.update_seconds
+        return max(generation_left_s, 0.0) + self.rest_of_step_s()
 
     def keeps_alive(self, idle_gap_s: float, restart_s: float | None = None) -> bool:
         """Keep an idle worker through ``idle_gap_s`` (shorter than the keep-alive), or
-        release it now. Break-even needs the gap: before the first step is measured nothing
-        says the worker is needed soon, so it is released."""
-        if self.knobs.keep_alive_s < 0 and self.update_seconds <= 0:
-            return False
+        release it now."""
         return idle_gap_s < self.keep_alive_s(restart_s)
 
     # ---- observe -----------------------------------------------------------------------

@@ -189,10 +189,10 @@ class SimPolicy:
             return np.maximum(batch.prompt_tokens - batch.shared_prefix_tokens, 0).astype(float)
         return batch.prompt_tokens.astype(np.float64) * batch.n_samples
 
-    def plan(self, batch: Batch, keep_warm: int, fixed_cost_ws: float = 0.0) -> ScalingDecision:
+    def plan(self, batch: Batch, keep_warm: int, rest_workers: float = 0.0) -> ScalingDecision:
         """This iteration's worker count and assignment (``ElasticPolicy.plan``); with
-        ``score_step`` the rest of the step (the policy's seconds after generation, costing
-        ``fixed_cost_ws``) is scored too."""
+        ``score_step`` the rest of the step (the policy's seconds after generation, billed at
+        ``rest_workers`` generation workers) is scored too."""
         mean, mx = self._pred = self.predictions(batch)
         cfg = self.cfg
         assign = None
@@ -212,8 +212,7 @@ class SimPolicy:
         return self.elastic.plan(
             mean, mx, batch.n_samples, self.prefill_per_group(batch), keep_warm=keep_warm,
             max_workers=hi, min_workers=lo, assign=assign,
-            fixed_seconds=self.elastic.update_seconds if cfg.score_step else 0.0,
-            fixed_cost_ws=fixed_cost_ws if cfg.score_step else 0.0)
+            rest_workers=rest_workers if cfg.score_step else None)
 
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:

@@ -281,9 +281,8 @@ class Simulator:
         self.gen.expire(t)
         n_warm = len(self.gen.awake)
         started = time.perf_counter()
-        post = self.policy.elastic.update_seconds  # the rest of the step, as last seen
         decision = self.policy.plan(batch, keep_warm=n_warm,
-                                    fixed_cost_ws=post * self.train_gpus / prof.tp)
+                                    rest_workers=self.train_gpus / prof.tp)
         plan_ms = 1e3 * (time.perf_counter() - started)
         n_workers = decision.n_workers
         t_gen = t + prof.iteration_overhead_s

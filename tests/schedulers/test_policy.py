@@ -10,6 +10,7 @@ import pytest
 from rlhfless.pipeline.config import Config, ConfigError, load_config
 from rlhfless.schedulers.migration import WorkerProgress
 from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.scaling import choose_generation_workers
 from rlhfless.schedulers.sim_policy import ELASTIC, PolicyConfig
 from rlhfless.schedulers.throughput import ThroughputModel
 
@@ -46,7 +47,11 @@ def _model() -> ThroughputModel:
 
 def test_keep_alive_is_break_even_with_a_restart_unless_set():
     policy = ElasticPolicy(ElasticKnobs(), _model())
-    assert not policy.keeps_alive(0.1)  # no step measured yet: break-even cannot keep
+    # no step measured yet: the rest of the step is taken as long as the planned generation
+    assert policy.idle_gap_s(1.5) == 1.5 and policy.keeps_alive(policy.idle_gap_s(1.5))
+    mean = np.full(16, 200.0)
+    planned = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=1, max_workers=1)
+    assert policy.idle_gap_s(1.5) == pytest.approx(1.5 + planned.predicted_seconds)
     policy.observe_after_generation(3.0)
     assert policy.idle_gap_s(1.5) == 4.5 and policy.idle_gap_s(-2.0) == 3.0
     assert policy.keep_alive_s() == 5.0  # the throughput model's cold start
@@ -76,6 +81,29 @@ def test_plan_honours_bounds_and_lambda():
     pinned = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=3,
                          min_workers=3)
     assert pinned.n_workers == 3
+
+
+def test_plan_scores_the_rest_of_the_step_billed_at_rest_workers():
+    """One rule for live runs and the simulator: the rest of the step is the policy's own
+    ``update_seconds``, billed at ``rest_workers`` generation workers' worth."""
+    policy = ElasticPolicy(ElasticKnobs(lambda_cost=0.5), _model())
+    mean, prompts = np.full(16, 200.0), np.full(16, 30.0)
+    policy.observe_after_generation(50.0)
+    alone = policy.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8)
+    expected = choose_generation_workers(mean, 4, policy.throughput, max_workers=8,
+                                         lambda_cost=0.5,
+                                         keep_warm=8, pred_max_lengths=mean,
+                                         prompt_tokens=prompts, fixed_seconds=50.0,
+                                         fixed_cost_ws=50.0 * 8)
+    rest = policy.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8, rest_workers=8)
+    assert rest.n_workers == expected.n_workers
+    np.testing.assert_allclose(rest.score, expected.score)
+    unscored = choose_generation_workers(mean, 4, policy.throughput, max_workers=8,
+                                         lambda_cost=0.5,
+                                         keep_warm=8, pred_max_lengths=mean,
+                                         prompt_tokens=prompts)
+    np.testing.assert_allclose(alone.score, unscored.score)
+    assert not np.allclose(rest.score, alone.score)
 
 
 def test_migrate_only_moves_tails_past_tau():
