@@ -166,3 +166,14 @@ def test_learner_rows_shorten_the_update_and_keep_the_forward_work(trace):
         assert c.forward_s * CLUSTER.gpus + c.tail_forward_gpu_s == pytest.approx(total)
     assert tail.summary()["update_s"] < shared.summary()["update_s"] < plain.summary()[
         "update_s"]
+
+
+def test_tail_triggered_migration_pays_for_itself(tails):
+    """Same plan (static pool, oracle lengths), migration on vs off: fewer GPU-s, and the
+    generation ends no later (1 % slack for the planner's linear step model)."""
+    fixed = ORACLE.replace(scaling="static", pat=False, tail_forwards=False, score_step=False)
+    off = simulate(tails, PROFILE, CLUSTER, fixed.replace(migration="none")).summary()
+    on = simulate(tails, PROFILE, CLUSTER, fixed).summary()
+    assert on["migrations"] > 0
+    assert on["gpu_s"] < off["gpu_s"]
+    assert on["gen_s"] <= 1.01 * off["gen_s"]
