@@ -2,13 +2,14 @@
 
 Generation runs in chunks. Between chunks each worker reports its progress; a worker whose
 live batch has shrunk to a *tail* -- few sequences left (at most ``tail_batch``: the batch
-at which a decode step's per-sequence part equals its fixed part, so that below it most of
-every step reads the weights for few sequences) -- may have its tail cut and continued on
-other workers, and is then released. ``plan_migration`` plans every such tail of the fleet
-in one pass, jointly: tails are visited shortest predicted remaining time first, every move
-updates its targets' predicted load (live sequences, longest and total remaining tokens,
-context to receive), so a later tail sees what the earlier ones already sent and several
-tails never pile onto one target beyond its free slots or its time. For each tail it scores
+below which the fixed part of a decode step, the weights read, is over ``TAIL_FIXED_SHARE``
+of it, so that the step mostly reads the weights for few sequences) -- may have its tail
+cut and continued on other workers, and is then released. ``plan_migration`` plans every
+such tail of the fleet in one pass, jointly: tails are visited shortest predicted remaining
+time first, every move updates its targets' predicted load (live sequences, longest and
+total remaining tokens, context to receive), so a later tail sees what the earlier ones
+already sent and several tails never pile onto one target beyond its free slots or its
+time. For each tail it scores
 
 - *stay*: nothing moves;
 - *move to one worker*, for every worker with room for the whole tail (the RLHFless case:
@@ -45,6 +46,10 @@ import numpy as np
 from .throughput import ThroughputModel
 
 MAX_SPREAD = 8  # most targets one source's tail is spread over
+# a worker is in its tail once the weights read is this share of its decode step; measured
+# in the simulator's paper settings: 2/3 (b = a / 2c) saves more GPU-s in both than 1/2
+# (b = a / c) and 0.8 (bench/simulate.py, tail-trigger sweep in the README)
+TAIL_FIXED_SHARE = 2.0 / 3.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -251,12 +256,12 @@ def _score(t: float, c: float, t_min: float, c_min: float, lam: float) -> float:
 
 
 def tail_batch(model: ThroughputModel) -> float:
-    """Live sequences at or below which a worker is in its tail: the batch whose
-    per-sequence step part equals the fixed part (``a / c``), so that below it most of every
-    step reads the weights for few sequences; never above the engine cap (inf: no slope
-    and no cap)."""
+    """Live sequences at or below which a worker is in its tail: the batch at which the
+    fixed part of a decode step (the weights read) is ``TAIL_FIXED_SHARE`` of the step,
+    ``a / (a + c b) = share``, so that below it the step mostly reads the weights for few
+    sequences; never above the engine cap (inf: no slope and no cap)."""
     a, c = model.step_intercept_s, model.step_slope_s
-    b = np.inf if c <= 0 else a / c
+    b = np.inf if c <= 0 else a * (1.0 - TAIL_FIXED_SHARE) / (TAIL_FIXED_SHARE * c)
     return float(b if model.max_batch is None else min(b, model.max_batch))
 
 

@@ -36,7 +36,7 @@ def consolidation_fleet() -> dict[str, WorkerProgress]:
 
 
 def test_consolidating_a_tail_where_there_is_slack_by_hand():
-    # tail batch 0.02 / 1e-4 = 200: A (1 sequence) is a tail, C (300) is not
+    # tail batch 0.02 / (2 * 1e-4) = 100: A (1 sequence) is a tail, C (300) is not
     # stay: A 0.02*100 + 1e-4*100 = 2.01 s, B 0.02*1000 + 1e-4*5000 = 20.5 s,
     #       C 0.02*1200 + 1e-4*360000 = 60 s: the step ends at 60 s, 82.51 worker-s
     # A -> B: B prefills 600/20000 = 0.03 s, then 0.02*1000 + 1e-4*5100 -> 20.54 s, ends at 60
@@ -63,7 +63,7 @@ def test_time_only_keeps_the_tail_where_it_is():
 
 def test_the_tail_triggers_not_the_completion_count():
     fleet = consolidation_fleet()
-    # 250 sequences left of 5000 (completion 0.95): more than the tail batch of 200
+    # 250 sequences left of 5000 (completion 0.95): more than the tail batch of 100
     big = dict(fleet, A=tail("A", 250, 600, 100, 5000))
     assert plan_migration(big, None, model(), lambda_cost=0.5) == []
     # one sequence left of 2 (completion 0.5): a tail, whatever the count says
@@ -73,36 +73,37 @@ def test_the_tail_triggers_not_the_completion_count():
     running = dict(fleet, A=tail("A", 1, 600, 100, 10, paused=False))
     assert plan_migration(running, None, model(), lambda_cost=0.5) == []
     assert plan_migration(fleet, 0.95, model(), lambda_cost=0.5) == []
-    assert tail_batch(model()) == pytest.approx(200.0)
+    assert tail_batch(model()) == pytest.approx(100.0)
     assert tail_batch(model(cap=16)) == 16
 
 
 def spread_fleet() -> dict[str, WorkerProgress]:
-    fleet = {"A": tail("A", 20, 1000, 2000, 100)}
+    fleet = {"A": tail("A", 8, 1000, 2000, 100)}
     fleet.update({f"I{i}": idle() for i in range(4)})
     return fleet
 
 
 def test_a_big_tail_spreads_over_idle_workers_when_time_matters():
-    # tail batch 0.02 / 1e-3 = 20: A's 20 sequences are its tail
-    # stay: 0.02*2000 + 1e-3*20*2000 = 80 s; over 4 idle workers 5 sequences each:
-    # 5*1000/20000 + 0.02*2000 + 1e-3*5*2000 = 50.25 s (sooner, but 201 worker-s)
+    # tail batch 0.02 / (2 * 1e-3) = 10: A's 8 sequences are its tail
+    # stay: 0.02*2000 + 1e-3*8*2000 = 56 s; over 4 idle workers 2 sequences each:
+    # 2*1000/20000 + 0.02*2000 + 1e-3*2*2000 = 44.1 s (sooner, but 176.4 worker-s)
     plan = plan_migration(spread_fleet(), None, model(slope=1e-3), lambda_cost=1.0)
     assert sorted(m.target for m in plan) == ["I0", "I1", "I2", "I3"]
-    assert all(len(m.seq_ids) == 5 and m.source == "A" for m in plan)
-    assert sorted(s for m in plan for s in m.seq_ids) == sorted(f"A/{i}" for i in range(20))
-    assert plan[0].stay_seconds == pytest.approx(80.0)
-    assert plan[0].move_seconds == pytest.approx(50.25)
+    assert all(len(m.seq_ids) == 2 and m.source == "A" for m in plan)
+    assert sorted(s for m in plan for s in m.seq_ids) == sorted(f"A/{i}" for i in range(8))
+    assert plan[0].stay_seconds == pytest.approx(56.0)
+    assert plan[0].move_seconds == pytest.approx(44.1)
     assert plan_migration(spread_fleet(), None, model(slope=1e-3), lambda_cost=0.0) == []
 
 
 def test_tails_are_planned_jointly_within_the_targets_time_and_slots():
-    # tail batch 0.02 / 0.02 = 1: S1, S2, S3 (one sequence each) are tails. T (busy) could
-    # take one of them and still end before L; two would end it after L
+    # tail batch 0.02 / (2 * 0.01) = 1: S1, S2, S3 (one sequence each) are tails. T (busy)
+    # can take one of them and still end before L (at most 10.2 s < 10.8 s); two would end
+    # it after L (11.1 s or more)
     fleet = {"S1": tail("S1", 1, 0, 100, 4), "S2": tail("S2", 1, 0, 110, 4),
              "S3": tail("S3", 1, 0, 120, 4), "T": tail("T", 1, 0, 300, 4, paused=False),
              "L": tail("L", 1, 0, 360, 4, paused=False)}
-    m = model(slope=0.02)
+    m = model(slope=0.01)
     plan = plan_migration(fleet, None, m, lambda_cost=0.0)
     received = {t: sum(len(x.seq_ids) for x in plan if x.target == t) for t in fleet}
     assert received["T"] <= 1 and received["L"] == 0  # no pile-on, the last one untouched

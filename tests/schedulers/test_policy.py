@@ -87,10 +87,10 @@ def test_migrate_moves_a_paused_tail_not_a_completion_count():
     model = ThroughputModel(step_intercept_s=0.02, step_slope_s=0.005,
                             prefill_tokens_per_s=1e4, cold_start_s=5.0, max_batch=64)
     policy = ElasticPolicy(ElasticKnobs(tau=0.8, lambda_cost=1.0), model)
-    assert policy.tail_batch() == pytest.approx(4.0)  # 0.02 / 0.005
-    assert policy.migrate(progress(95, 5)) == []  # 95 % done, but 5 live > tail batch 4
-    assert policy.migrate(progress(1, 4, busy=True)) == []  # running a chunk: not cut
-    moves = policy.migrate(progress(1, 4))  # 20 % done, a tail of 4: it spreads out, faster
+    assert policy.tail_batch() == pytest.approx(2.0)  # 0.02 / (2 * 0.005)
+    assert policy.migrate(progress(95, 3)) == []  # 97 % done, but 3 live > tail batch 2
+    assert policy.migrate(progress(1, 2, busy=True)) == []  # running a chunk: not cut
+    moves = policy.migrate(progress(1, 2))  # 33 % done, a tail of 2: it spreads out, faster
     assert moves and {m.source for m in moves} == {"a"}
     assert {m.target for m in moves} <= {"b", "c", "d"}
     assert all(m.move_seconds < m.stay_seconds for m in moves)

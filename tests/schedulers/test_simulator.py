@@ -168,12 +168,13 @@ def test_learner_rows_shorten_the_update_and_keep_the_forward_work(trace):
         "update_s"]
 
 
-def test_tail_triggered_migration_pays_for_itself(tails):
-    """Same plan (static pool, oracle lengths), migration on vs off: fewer GPU-s, and the
-    generation ends no later (1 % slack for the planner's linear step model)."""
+def test_tail_triggered_migration_pays_for_itself(trace):
+    """Same plan (static pool, oracle lengths, GSM8K-like), migration on vs off: fewer GPU-s
+    (measured: -10 %), and the generation ends no later (+0.1 % measured; 1 % slack for the
+    planner's step model, linear in the batch, while the engine's step grows with context)."""
     fixed = ORACLE.replace(scaling="static", pat=False, tail_forwards=False, score_step=False)
-    off = simulate(tails, PROFILE, CLUSTER, fixed.replace(migration="none")).summary()
-    on = simulate(tails, PROFILE, CLUSTER, fixed).summary()
+    off = simulate(trace, PROFILE, CLUSTER, fixed.replace(migration="none")).summary()
+    on = simulate(trace, PROFILE, CLUSTER, fixed).summary()
     assert on["migrations"] > 0
-    assert on["gpu_s"] < off["gpu_s"]
+    assert on["gpu_s"] < 0.95 * off["gpu_s"]
     assert on["gen_s"] <= 1.01 * off["gen_s"]
