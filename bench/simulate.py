@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for sc in pat_scenarios():
         rows = {r["tp"]: r for r in run_pat(sc)["rows"]}
         pat[sc.name] = {f"tp{t}": {"gen_change": round(rows[t]["gen_change"], 3),
-                                   "step_change": round(rows[t]["step_change"], 3)}
+                                   "step_change": round(rows[t]["step_change"], 3),
+                                   "bound_gen_change": round(rows[t]["bound_gen_change"], 3)}
                         for t in (1, 2) if t in rows}
         pat[sc.name].update({f"paper_{k}": v for k, v in sc.paper.items()})
     print(json.dumps({

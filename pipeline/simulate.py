@@ -49,7 +49,7 @@ import tomllib
 
 from rlhfless.schedulers.profile_fit import profile_from_run
 from rlhfless.schedulers.profiles import Profile, get_profile
-from rlhfless.schedulers.sim_bounds import iteration_bounds
+from rlhfless.schedulers.sim_bounds import generation_bound, iteration_bounds
 from rlhfless.schedulers.sim_modes import simulate_modes
 from rlhfless.schedulers.sim_policy import (
     ELASTIC,
@@ -151,14 +151,18 @@ def pat_scenarios() -> list[Scenario]:
 
 def run_pat(sc: Scenario) -> dict[str, Any]:
     """Static TP (verl-tuned at every TP that fits) against the same with PAT: generation
-    and step seconds, and their change."""
+    and step seconds, their change, and the generation no TP schedule beats (the bound)."""
     trace = synthetic_trace(sc.workload)
     rows = []
     for tp in [t for t in sc.profile.feasible_tps(VERL_TUNED.engine) if t <= sc.gpus]:
         static = simulate(trace, sc.profile, sc.cluster, VERL_TUNED.replace(tp=tp)).summary()
         pat = simulate(trace, sc.profile, sc.cluster,
                        VERL_TUNED.replace(tp=tp, pat=True)).summary()
+        # no TP schedule beats: the same sync and stage switch, then the longest alone
+        prof = sc.profile.variant(VERL_TUNED.engine, tp)
+        bound = prof.sync_s + prof.gen_wake_s + generation_bound(trace, prof)
         rows.append({"tp": tp, "static_gen_s": static["gen_s"], "pat_gen_s": pat["gen_s"],
+                     "bound_gen_s": bound, "bound_gen_change": bound / static["gen_s"] - 1,
                      "static_step_s": static["step_s"], "pat_step_s": pat["step_s"],
                      "gen_change": pat["gen_s"] / static["gen_s"] - 1,
                      "step_change": pat["step_s"] / static["step_s"] - 1,

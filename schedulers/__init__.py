@@ -8,7 +8,7 @@ wiring and the simulator call the same code:
   start), fitted online from the run's own timings;
 - ``assignment``: prompt groups to workers, length-grouped (or round-robin for comparison);
 - ``scaling``: the number of generation workers minimising weighted time and worker-seconds;
-- ``migration``: cut-and-migrate of a worker's unfinished tail once it passes ``tau``;
+- ``migration``: cut-and-migrate of the workers' tails (few sequences left), planned jointly;
 - ``ledger``: worker lifetimes priced per worker-second and attributed to iterations.
 
 Decisions are frozen dataclasses with ``to_record()`` for the run directory's logs.

@@ -1,24 +1,31 @@
-"""Cut-and-migrate of straggling sequences inside an iteration (RLHFless, with PAT's trade-off).
+"""Cut-and-migrate of a generation tail inside an iteration (RLHFless, with PAT's trade-off).
 
-Generation runs in chunks. Between chunks each worker reports its progress; once a worker has
-finished a fraction ``tau`` of its sequences, its unfinished tail may be cut and continued on
-other workers. Moving is not free: the receiving engine has no KV cache for those sequences,
-so it recomputes their prefix (prompt + tokens generated so far) at its prefill rate, then
-decodes the rest inside its own, now larger, batch. For each source ``plan_migration`` scores
+Generation runs in chunks. Between chunks each worker reports its progress; a worker whose
+live batch has shrunk to a *tail* -- few sequences left (at most ``tail_batch``: the batch
+below which the fixed part of a decode step, the weights read, is over ``TAIL_FIXED_SHARE``
+of it, so that the step mostly reads the weights for few sequences) -- may have its tail
+cut and continued on other workers, and is then released. ``plan_migration`` plans every
+such tail of the fleet in one pass, jointly: tails are visited shortest predicted remaining
+time first, every move updates its targets' predicted load (live sequences, longest and
+total remaining tokens, context to receive), so a later tail sees what the earlier ones
+already sent and several tails never pile onto one target beyond its free slots or its
+time. For each tail it scores
 
 - *stay*: nothing moves;
 - *move to one worker*, for every worker with room for the whole tail (the RLHFless case:
-  consolidate a tail into a worker that is still decoding, release the source: cheaper);
+  consolidate a tail into a worker that runs longer anyway, release the source: cheaper);
 - *spread over the m least-loaded workers*, m = 2, 4, .. ``MAX_SPREAD`` (a big tail
   decoded in several smaller batches: faster), dealt longest-first to whichever target would
   then finish first.
 
 Every option has a time (when the last of all listed workers finishes) and a cost (the sum of
-their remaining busy seconds, i.e. worker-seconds still to bill); the score is the one of
-``scaling.py``, ``lam * T / min T + (1 - lam) * C / min C`` over the options, and the lowest
-wins; ties stay. A worker that receives sequences is not a source later in the same plan and a
-source that moved is not a target, so no sequence moves twice. Sources are visited smallest
-remaining time first, so small tails consolidate into bigger ones.
+their remaining busy seconds, i.e. worker-seconds still to bill). An option whose time is
+later than staying is never taken (a move must not trade the step's speed for cost); among
+the others the score of ``scaling.py``, ``lam * T / min T + (1 - lam) * C / min C``, picks,
+and a move must score below staying. A worker that receives sequences is not a source later
+and a source that moved is not a target, so no sequence moves twice. The predicted remaining
+tokens of each sequence are the caller's, conditioned on what it has generated
+(``predictor.remaining_tokens``).
 
 A moved sequence's context reaches its target either as its KV cache (shipped at
 ``kv_seconds_per_token``) or by recomputation (a prefill at the model's rate), whichever costs
@@ -32,13 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .throughput import ThroughputModel
 
 MAX_SPREAD = 8  # most targets one source's tail is spread over
+# a worker is in its tail once the weights read is this share of its decode step; measured
+# in the simulator's paper settings: 2/3 (b = a / 2c) saves more GPU-s in both than 1/2
+# (b = a / c) and 0.8 (bench/simulate.py, tail-trigger sweep in the README)
+TAIL_FIXED_SHARE = 2.0 / 3.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,7 +59,9 @@ class WorkerProgress:
     ``seq_ids``, ``current_lengths`` (prompt + generated tokens so far) and
     ``remaining_tokens`` (predicted tokens still to decode) describe its *unfinished*
     sequences, queued ones included; ``n_finished + len(seq_ids) == n_assigned``. ``busy``
-    says whether it is running a generation chunk; a worker with nothing assigned is idle.
+    says whether it is running a generation chunk (one that is not busy but still holds
+    sequences is paused between chunks: its tail can be cut); a worker with nothing
+    assigned is idle.
     """
 
     n_assigned: int
@@ -108,6 +121,17 @@ class Migration:
         return record
 
 
+class _Option(NamedTuple):
+    """One way to place a tail: predicted time and cost of the whole fleet, the targets,
+    the tail's positions per target and each target's new predicted finish."""
+
+    seconds: float
+    cost: float
+    targets: np.ndarray
+    picks: list[list[int]]
+    new_finish: np.ndarray
+
+
 class _Fleet:
     """Remaining work of every worker while a plan is built; index i is ``names[i]``."""
 
@@ -122,6 +146,8 @@ class _Fleet:
         self.pre = np.zeros(len(rems))  # prefix tokens received, to recompute
         self.live = np.array([r.size for r in rems], dtype=np.int64)
         self.busy = np.array([p.busy for p in progress.values()])
+        self.sink = np.zeros(len(rems), dtype=bool)  # received sequences: never a source
+        self.emptied = np.zeros(len(rems), dtype=bool)  # moved its tail: never a target
         self.finish = self.seconds(self.mx, self.tot, self.pre, self.live)
 
     def seconds(
@@ -135,6 +161,59 @@ class _Fleet:
         f = self.finish.copy()
         f[list(exclude)] = 0.0
         return float(f.max(initial=0.0))
+
+    def options(self, src: int, rem: np.ndarray, cur: np.ndarray) -> list[_Option]:
+        """Every placement of ``src``'s tail: on one worker with room, or spread."""
+        cap = self.model.max_batch
+        eligible = ~self.emptied
+        eligible[src] = False
+        total = float(self.finish.sum())
+        out: list[_Option] = []
+        # one target: every eligible worker with room for the whole tail, all at once
+        one = np.flatnonzero(eligible & (True if cap is None else self.live + rem.size <= cap))
+        if one.size:
+            new = self.seconds(
+                np.maximum(self.mx[one], rem.max()), self.tot[one] + rem.sum(),
+                self.pre[one] + cur.sum(), self.live[one] + rem.size,
+            )
+            rest = np.zeros(one.size)  # max finish over the others: first of the top 3 not used
+            for top in np.argsort(-self.finish)[:3][::-1]:
+                rest = np.where((top != src) & (top != one), self.finish[top], rest)
+            whole = [list(range(rem.size))]
+            for j, n_t, r in zip(one.tolist(), new.tolist(), rest.tolist(), strict=True):
+                cost = total - self.finish[src] - self.finish[j] + n_t
+                out.append(_Option(max(n_t, r), float(cost), np.array([j]), whole,
+                                   np.array([n_t])))
+        # spread over the m least-loaded workers with a free slot
+        room = np.flatnonzero(eligible & (True if cap is None else self.live < cap))
+        room = room[np.lexsort((self.busy[room], self.finish[room]))][:MAX_SPREAD]
+        m = 2
+        while m <= min(room.size, rem.size):
+            targets, m = room[:m], m * 2
+            spread = _spread(self, targets, rem, cur)
+            if spread is None:
+                continue
+            picks, new = spread
+            t = max(float(new.max()), self.max_without([src, *targets.tolist()]))
+            c = total - self.finish[src] - self.finish[targets].sum() + new.sum()
+            out.append(_Option(t, float(c), targets, picks, new))
+        return out
+
+    def move(self, src: int, rem: np.ndarray, cur: np.ndarray, option: _Option) -> None:
+        """Book ``option``: its targets take their picks, the source is emptied."""
+        for tgt, idx, n_t in zip(option.targets.tolist(), option.picks, option.new_finish,
+                                 strict=True):
+            if not idx:
+                continue
+            self.mx[tgt] = max(self.mx[tgt], rem[idx].max())
+            self.tot[tgt] += rem[idx].sum()
+            self.pre[tgt] += cur[idx].sum()
+            self.live[tgt] += len(idx)
+            self.finish[tgt] = n_t
+            self.sink[tgt] = True
+        self.mx[src] = self.tot[src] = self.pre[src] = self.finish[src] = 0.0
+        self.live[src] = 0
+        self.emptied[src] = True
 
 
 def _spread(
@@ -176,27 +255,41 @@ def _score(t: float, c: float, t_min: float, c_min: float, lam: float) -> float:
     return lam * tn + (1.0 - lam) * cn
 
 
+def tail_batch(model: ThroughputModel) -> float:
+    """Live sequences at or below which a worker is in its tail: the batch at which the
+    fixed part of a decode step (the weights read) is ``TAIL_FIXED_SHARE`` of the step,
+    ``a / (a + c b) = share``, so that below it the step mostly reads the weights for few
+    sequences; never above the engine cap (inf: no slope and no cap)."""
+    a, c = model.step_intercept_s, model.step_slope_s
+    b = np.inf if c <= 0 else a * (1.0 - TAIL_FIXED_SHARE) / (TAIL_FIXED_SHARE * c)
+    return float(b if model.max_batch is None else min(b, model.max_batch))
+
+
 def plan_migration(
     worker_progress: Mapping[str, WorkerProgress],
-    tau: float,
+    tau: float | None,
     model: ThroughputModel,
     *,
     lambda_cost: float = 0.5,
     kv_seconds_per_token: float | None = None,
 ) -> list[Migration]:
-    """Plan which unfinished sequences to cut and where to continue them; pure.
+    """Plan which tails to cut and where to continue them, jointly over the fleet; pure.
 
-    Called between generation chunks with the progress of every generation worker (idle ones
-    included: they are candidate targets). Only workers whose completion fraction is ``>=
-    tau`` and that still have unfinished sequences are sources; a source's whole tail moves
-    or none of it does. Times and costs are over all listed workers: time is the last one to
-    finish, cost the sum of their remaining busy seconds. ``kv_seconds_per_token``: the
-    time to ship one context token's KV cache between workers (None: no transfer path, so
-    recomputation). Returns one ``Migration`` per (source, target) pair in planning order;
-    an empty list means everything stays.
+    Called with the progress of every generation worker (idle ones included: they are
+    candidate targets). Sources are the workers in their tail: paused (not ``busy``: a
+    worker running a chunk cannot be cut) with at least one and at most ``tail_batch``
+    unfinished sequences, and, when ``tau`` is a number, completion ``>= tau`` (a count
+    gate for callers that want one; the elastic policy passes None). A source's whole tail
+    moves or none of it does. Times and costs are over all listed workers: time is the last
+    one to finish, cost the sum of their remaining busy seconds; a move is taken only when
+    the predicted time, the move included, is no later than staying and its score is lower
+    (see the module docstring). ``kv_seconds_per_token``: the time to ship one context
+    token's KV cache between workers (None: no transfer path, so recomputation). Returns
+    one ``Migration`` per (source, target) pair in planning order; an empty list means
+    everything stays.
     """
-    if not 0.0 < tau <= 1.0:
-        raise ValueError(f"plan_migration: tau={tau!r}; allowed: 0 < tau <= 1")
+    if tau is not None and not 0.0 < tau <= 1.0:
+        raise ValueError(f"plan_migration: tau={tau!r}; allowed: None or 0 < tau <= 1")
     if not 0.0 <= lambda_cost <= 1.0:
         raise ValueError(f"plan_migration: lambda_cost={lambda_cost!r}; allowed: [0, 1]")
     recompute_s = 1.0 / model.prefill_tokens_per_s
@@ -204,84 +297,42 @@ def plan_migration(
     fleet = _Fleet(worker_progress, model,
                    kv_seconds_per_token if transfer else recompute_s)
     progress = list(worker_progress.values())
-    sources = [i for i, p in enumerate(progress) if p.seq_ids and p.completion_fraction >= tau]
+    few = tail_batch(model)
+    sources = [i for i, p in enumerate(progress)
+               if not p.busy and 0 < len(p.seq_ids) <= few
+               and (tau is None or p.completion_fraction >= tau)]
     sources.sort(key=lambda i: (fleet.finish[i], fleet.names[i]))
-    cap = model.max_batch
-    sinks: set[int] = set()
-    emptied = np.zeros(len(progress), dtype=bool)
     plan: list[Migration] = []
     for src in sources:
-        if src in sinks:
+        if fleet.sink[src]:
             continue
         prog = progress[src]
         rem, cur = prog.remaining_tokens, prog.current_lengths
-        eligible = ~emptied
-        eligible[src] = False
         stay_t, stay_c = float(fleet.finish.max()), float(fleet.finish.sum())
-        # options: (time, cost, target indices, sequence positions per target, new finishes)
-        options: list[tuple[float, float, np.ndarray, list[list[int]], np.ndarray]] = []
-        # one target: every eligible worker with room for the whole tail, all at once
-        one = np.flatnonzero(eligible & (True if cap is None else fleet.live + rem.size <= cap))
-        if one.size:
-            new = fleet.seconds(
-                np.maximum(fleet.mx[one], rem.max()), fleet.tot[one] + rem.sum(),
-                fleet.pre[one] + cur.sum(), fleet.live[one] + rem.size,
-            )
-            rest = np.zeros(one.size)  # max finish over the others: first of the top 3 not used
-            for top in np.argsort(-fleet.finish)[:3][::-1]:
-                rest = np.where((top != src) & (top != one), fleet.finish[top], rest)
-            whole = [list(range(rem.size))]
-            for j, n_t, r in zip(one.tolist(), new.tolist(), rest.tolist(), strict=True):
-                cost = stay_c - fleet.finish[src] - fleet.finish[j] + n_t
-                options.append((max(n_t, r), float(cost), np.array([j]), whole, np.array([n_t])))
-        # spread over the m least-loaded workers with a free slot
-        room = np.flatnonzero(eligible & (True if cap is None else fleet.live < cap))
-        room = room[np.lexsort((fleet.busy[room], fleet.finish[room]))][:MAX_SPREAD]
-        m = 2
-        while m <= min(room.size, rem.size):
-            targets, m = room[:m], m * 2
-            spread = _spread(fleet, targets, rem, cur)
-            if spread is None:
-                continue
-            picks, new = spread
-            t = max(float(new.max()), fleet.max_without([src, *targets.tolist()]))
-            c = stay_c - fleet.finish[src] - fleet.finish[targets].sum() + new.sum()
-            options.append((t, float(c), targets, picks, new))
+        options = [o for o in fleet.options(src, rem, cur)
+                   if o.seconds <= stay_t * (1.0 + 1e-12)]  # never later than staying
         if not options:
             continue
-        t_min = min(stay_t, *(o[0] for o in options))
-        c_min = min(stay_c, *(o[1] for o in options))
-
-        scores = [_score(o[0], o[1], t_min, c_min, lambda_cost) for o in options]
+        t_min = min(stay_t, *(o.seconds for o in options))
+        c_min = min(stay_c, *(o.cost for o in options))
+        scores = [_score(o.seconds, o.cost, t_min, c_min, lambda_cost) for o in options]
         best = int(np.argmin(scores))
         stay_score = _score(stay_t, stay_c, t_min, c_min, lambda_cost)
         if scores[best] >= stay_score:
             continue
-        move_t, move_c, targets, picks, new = options[best]
-        why = (
-            f"completion {prog.completion_fraction:.2f} >= tau {tau:.2f}; moving to "
-            f"{targets.size} worker(s) scores {scores[best]:.4f} < stay {stay_score:.4f} "
-            f"at lambda {lambda_cost:.2f}"
-        )
-        for tgt, idx, n_t in zip(targets.tolist(), picks, new, strict=True):
-            if not idx:
-                continue
-            fleet.mx[tgt] = max(fleet.mx[tgt], rem[idx].max())
-            fleet.tot[tgt] += rem[idx].sum()
-            fleet.pre[tgt] += cur[idx].sum()
-            fleet.live[tgt] += len(idx)
-            fleet.finish[tgt] = n_t
-            sinks.add(tgt)
-            plan.append(Migration(
-                source=fleet.names[src], target=fleet.names[tgt],
-                seq_ids=tuple(prog.seq_ids[i] for i in idx),
-                recompute_tokens=int(cur[idx].sum()),
-                completion_fraction=prog.completion_fraction,
-                stay_seconds=stay_t, move_seconds=float(move_t),
-                stay_cost_ws=stay_c, move_cost_ws=float(move_c), reason=why,
-                kv="transfer" if transfer else "recompute",
-            ))
-        fleet.mx[src] = fleet.tot[src] = fleet.pre[src] = fleet.finish[src] = 0.0
-        fleet.live[src] = 0
-        emptied[src] = True
+        option = options[best]
+        why = (f"tail of {rem.size} sequence(s) <= {few:.0f}; {option.targets.size} "
+               f"target(s): predicted {option.seconds:.2f} s <= stay {stay_t:.2f} s, score "
+               f"{scores[best]:.4f} < stay {stay_score:.4f} at lambda {lambda_cost:.2f}")
+        for tgt, idx in zip(option.targets.tolist(), option.picks, strict=True):
+            if idx:
+                plan.append(Migration(
+                    source=fleet.names[src], target=fleet.names[tgt],
+                    seq_ids=tuple(prog.seq_ids[i] for i in idx),
+                    recompute_tokens=int(cur[idx].sum()),
+                    completion_fraction=prog.completion_fraction,
+                    stay_seconds=stay_t, move_seconds=option.seconds,
+                    stay_cost_ws=stay_c, move_cost_ws=option.cost, reason=why,
+                    kv="transfer" if transfer else "recompute"))
+        fleet.move(src, rem, cur, option)
     return plan

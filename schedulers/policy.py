@@ -10,9 +10,11 @@ simulated clocks. Call order, per iteration:
 1. ``predict`` the prompts' response lengths, then ``plan`` the pool: how many generation
    workers and which prompt groups each gets (``choose_generation_workers``: the lowest
    λ·time + (1-λ)·worker-seconds, warm workers first);
-2. while generation runs: when a worker's chunk pauses at completion ``tau``, ``migrate``
-   says which of its unfinished sequences move and where (``plan_migration``; the predicted
-   tokens still to come are ``remaining``);
+2. while generation runs: when a worker pauses between chunks (the live runtime pauses its
+   chunk at completion ``tau``; the simulator when its live batch falls to ``tail_batch``),
+   ``migrate`` says which tails move and where (``plan_migration``: the tails of the fleet
+   planned jointly, never later than staying; the predicted tokens still to come are
+   ``remaining``, conditioned on what each sequence has generated);
 3. when a worker is idle: ``keeps_alive(idle_gap_s(...))`` says whether to keep it through
    the predicted gap until its next use, or release it now (break-even keep-alive: idling
    longer than a restart costs more than the restart);
@@ -33,7 +35,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .assignment import assign_by_length
-from .migration import Migration, WorkerProgress, plan_migration
+from .migration import Migration, WorkerProgress, plan_migration, tail_batch
 from .predictor import LengthPredictor, remaining_tokens
 from .scaling import Assign, ScalingDecision, choose_generation_workers, round_robin
 from .throughput import ThroughputModel
@@ -46,7 +48,7 @@ class ElasticKnobs:
     """The elastic policy's knobs, with the defaults of live runs and simulations alike."""
 
     lambda_cost: float = 0.5  # 1: fastest worker count, 0: cheapest (worker-seconds)
-    tau: float = 0.7  # completion fraction at which a worker's tail may be cut and moved
+    tau: float = 0.7  # completion fraction at which a live worker's chunk pauses for migrate
     ewma_alpha: float = 1.0  # weight of the newest observation in the policy's EWMAs
     keep_alive_s: float = -1.0  # idle seconds a worker is kept; < 0: break-even with a restart
     assignment: str = "length"  # prompts of similar predicted length on one worker
@@ -118,9 +120,15 @@ class ElasticPolicy:
         generated (``predictor.remaining_tokens``)."""
         return remaining_tokens(pred_max, generated, max_tokens)
 
+    def tail_batch(self) -> float:
+        """Live sequences at or below which a worker is in its tail (``tail_batch`` of the
+        throughput model): when its tail is worth a migration decision."""
+        return tail_batch(self.throughput)
+
     def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
-        """Which paused tails move, and where (``plan_migration`` at ``tau``)."""
-        return plan_migration(progress, self.knobs.tau, self.throughput,
+        """Which paused tails move, and where (``plan_migration``: triggered by the tail,
+        not by a completion count)."""
+        return plan_migration(progress, None, self.throughput,
                               lambda_cost=self.knobs.lambda_cost,
                               kv_seconds_per_token=self.kv_seconds_per_token)
 

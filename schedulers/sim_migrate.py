@@ -1,19 +1,21 @@
 """Cut-and-migrate events inside one simulated generation phase.
 
-The live scheduler asks ``plan_migration`` between generation chunks; the simulator asks it
-at the instants that matter, when a worker's completion fraction reaches ``tau`` (local,
-RLHFless), or once when ``tau`` of all sequences are done (global, RLHFuse-like). At an
-event the state of every listed worker is read from its ``WorkerRun`` at that instant and
-handed to the policy as ``WorkerProgress``; the returned ``Migration``s are applied: a source
-is cut and released, each target's run is cut and resumed with the incoming sequences
-queued, their context recomputed or their KV cache shipped, as each ``Migration`` says
-(``sim_engine.resume_run``).
+The live scheduler asks ``ElasticPolicy.migrate`` when a worker pauses between chunks; the
+simulator asks it at the instants that matter: when a worker's live batch falls to the
+policy's ``tail_batch`` (local, RLHFless: the tail trigger), or once when ``tau`` of all
+sequences are done (global, RLHFuse-like). At an event the state of every worker still
+generating is read from its ``WorkerRun`` at that instant and handed to the policy as
+``WorkerProgress``; the returned ``Migration``s are applied: a source is cut and released,
+each target's run is cut and resumed with the incoming sequences queued, their context
+recomputed or their KV cache shipped, as each ``Migration`` says (``sim_engine.resume_run``).
 
-Which workers an event lists (local mode): the worker that reached ``tau``, plus every
-worker still generating whose completion is below ``tau`` (the candidate targets). A worker
-is a source at most once, at its own crossing, and a worker that received sequences is never
-a source, so no sequence moves twice; workers already past ``tau`` are left out of later
-events. Targets' predicted remaining tokens come from the policy (``SimPolicy.remaining``).
+Which workers an event lists (local mode): every worker that has started and not yet
+finished. Those that have not received sequences are reported paused (a simulated worker
+can be cut at any step boundary), and the policy takes as sources those of them in their
+tail, so a tail that stayed at one event is planned again, jointly with the others, at the
+next. A worker that received sequences is never a source, so no sequence moves twice.
+Predicted remaining tokens come from the policy (``SimPolicy.remaining``: conditioned on
+what each sequence has generated).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ class MigrationEvents:
         self.done_tokens = np.zeros(length.size, dtype=np.int64)  # tokens of cut runs
         self.fin_before = dict.fromkeys(runs, 0)
         self.sinks: set[str] = set()
-        self.decided: set[str] = set()
         self.n_migrations = self.n_moved = self.recompute_tokens = 0
         self.merged: dict[str, str] = {}  # worker -> the worker whose run holds its GPUs (PAT)
         self._sid = [str(j) for j in range(length.size)]
@@ -67,30 +68,28 @@ class MigrationEvents:
                 progress = {w: self.progress(w, t)[0] for w in listed}
                 self._apply(t, self.policy.migrate(progress))
             return
+        few = self.policy.elastic.tail_batch()
         events = []
         for w in self.names:
             run = self.current[w]
-            k = math.ceil(tau * run.seq.size)
-            if 0 < k < run.seq.size:
+            k = run.seq.size - math.floor(few) if math.isfinite(few) else 0
+            if 0 < k < run.seq.size:  # its tail begins when its k-th sequence finishes
                 events.append((float(np.sort(run.finish_times())[k - 1]), w))
         heapq.heapify(events)
         while events:
             t, w = heapq.heappop(events)
-            if w in self.decided or w in self.sinks or self.current[w] is None:
+            if w in self.sinks or self.current[w] is None:
                 continue
-            self.decided.add(w)
-            progress = {w: self.progress(w, t)[0]}
+            progress = {}
             for v in self.names:
                 run = self.current[v]
-                if v == w or v in self.decided or run is None or run.t_finish <= t:
-                    continue
-                prog, completion = self.progress(v, t)
-                if completion < tau:
-                    progress[v] = prog
+                if run is not None and run.t0 <= t < run.t_finish:  # started, not done
+                    progress[v] = self.progress(v, t, paused=v not in self.sinks)[0]
             if len(progress) > 1:
                 self._apply(t, self.policy.migrate(progress))
 
-    def progress(self, w: str, t: float) -> tuple[WorkerProgress, float]:
+    def progress(self, w: str, t: float, paused: bool = False) -> tuple[WorkerProgress, float]:
+        """``w``'s state at ``t`` as the policy sees it; ``paused``: it may be cut there."""
         run = self.current[w]
         fin, generated, _ = run.state_at(t)
         unf = ~fin
@@ -101,7 +100,7 @@ class MigrationEvents:
         remaining = self.policy.remaining(self.group[seqs], gen_total,
                                           self.length[seqs] - gen_total)
         prog = WorkerProgress(n_assigned, n_fin, [self._sid[j] for j in seqs.tolist()],
-                              self.prompt[seqs] + gen_total, remaining, busy=run.t0 <= t)
+                              self.prompt[seqs] + gen_total, remaining, busy=not paused)
         return prog, prog.completion_fraction
 
     def close(self, w: str, t: float) -> WorkerRun:
@@ -131,7 +130,6 @@ class MigrationEvents:
             self.close(src, t)
             self.current[src] = None
             self.released[src] = t
-            self.decided.add(src)
         for tgt, seqs in incoming.items():
             old = self.close(tgt, t)
             inc = np.asarray(seqs, dtype=np.int64)

@@ -9,7 +9,7 @@ policies the live scheduler calls, so a baseline is a configuration, never a cop
 - assignment: ``assign_by_length`` (RLHFless), ``round_robin`` (verl's even split of the batch
   over its engines: each engine gets the same number of groups, i.e. least-loaded by count),
   or the groups' logged workers (replay of a recorded run);
-- cut-and-migrate: ``plan_migration`` at ``tau`` (local, per worker, RLHFless), or a global
+- cut-and-migrate: ``plan_migration`` on the tails (local, RLHFless), or a global
   cut (RLHFuse-like: once ``tau`` of all sequences are done, the unfinished ones are
   consolidated onto the fewest workers that hold them and the others are released);
 - prefill dedup: each group's prompt prefilled once per worker (and the batch's shared prefix

@@ -5,7 +5,7 @@ Each iteration of a ``Trace`` runs through the same stages as the live pipeline:
     plan      the policy predicts lengths, picks the worker count and assignment
               (``SimPolicy.plan`` -> ``choose_generation_workers``), reusing warm workers
     generate  every worker: cold start (pre-warmed or waited), weight sync, then continuous
-              batching of its groups (``sim_engine``); at ``tau`` cut-and-migrate events the
+              batching of its groups (``sim_engine``); at tail cut-and-migrate events the
               policy's ``plan_migration`` (or a global cut) moves unfinished sequences
     reward    each worker's finished sequences are scored on CPU as soon as it finishes
     update    the learner (``train_gpus`` GPUs) trains on every (prompt + response) token

@@ -106,19 +106,22 @@ def test_plan_scores_the_rest_of_the_step_billed_at_rest_workers():
     assert not np.allclose(rest.score, alone.score)
 
 
-def test_migrate_only_moves_tails_past_tau():
-    def progress(done: int, left: int = 4) -> dict[str, WorkerProgress]:
+def test_migrate_moves_a_paused_tail_not_a_completion_count():
+    def progress(done: int, left: int, busy: bool = False) -> dict[str, WorkerProgress]:
         idle = {w: WorkerProgress(0, 0, busy=False) for w in ("b", "c", "d")}
         return {"a": WorkerProgress(done + left, done, [f"s{i}" for i in range(left)],
-                                    [100] * left, [1000.0] * left)} | idle
+                                    [100] * left, [1000.0] * left, busy=busy)} | idle
 
-    model = ThroughputModel(step_intercept_s=0.02, step_slope_s=0.01,
+    model = ThroughputModel(step_intercept_s=0.02, step_slope_s=0.005,
                             prefill_tokens_per_s=1e4, cold_start_s=5.0, max_batch=64)
     policy = ElasticPolicy(ElasticKnobs(tau=0.8, lambda_cost=1.0), model)
-    assert policy.migrate(progress(9)) == []  # 9 / 13 < tau: nothing is a source yet
-    moves = policy.migrate(progress(16))  # 16 / 20 = tau: the long tail spreads out
+    assert policy.tail_batch() == pytest.approx(2.0)  # 0.02 / (2 * 0.005)
+    assert policy.migrate(progress(95, 3)) == []  # 97 % done, but 3 live > tail batch 2
+    assert policy.migrate(progress(1, 2, busy=True)) == []  # running a chunk: not cut
+    moves = policy.migrate(progress(1, 2))  # 33 % done, a tail of 2: it spreads out, faster
     assert moves and {m.source for m in moves} == {"a"}
     assert {m.target for m in moves} <= {"b", "c", "d"}
+    assert all(m.move_seconds < m.stay_seconds for m in moves)
 
 
 def test_state_dict_round_trips_what_the_policy_learned():
