@@ -14,6 +14,7 @@ import zarr
 from distributed import Client, LocalCluster
 from transformers import AutoModelForCausalLM
 
+from rlhfless.ops.forward import enable_checkpointing
 from rlhfless.ops.parallel import (
     decoder_layers,
     full_state,
@@ -78,13 +79,16 @@ def load(model_dir) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu") -> dict:
+def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu",
+               checkpointed: bool = False) -> dict:
     """One update here (``ranked`` false) or on this rank: metrics, full gradients, weights
     and AdamW state after the step, gathered (on CPU), and the most decoder layers found
     gathered at once when a layer's forward starts. ``device``: "cuda" for the NCCL check of
-    bench/gpu_check.sh."""
+    bench/gpu_check.sh; ``checkpointed``: with gradient checkpointing."""
     ranks = this_rank() if ranked else None
     model = load(model_dir).to(device)
+    if checkpointed:
+        enable_checkpointing(model)
     wrapped = model if ranks is None else wrap_model(model, ranks)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
     layers, gathered = decoder_layers(inner(wrapped)), [0]
@@ -188,6 +192,18 @@ def test_ranks_with_unequal_passes_reshard_and_give_one_ranks_gradients(client,
     assert results[0]["metrics"]["padding_passes"] > 0
     assert single["metrics"]["padding_passes"] == 0
     assert [r["gathered_layers"] for r in results] == [1, 1]
+
+
+@pytest.mark.slow
+def test_ranks_with_unequal_passes_and_gradient_checkpointing(client, tiny_model_dir):
+    """Rows run whole under gradient checkpointing (one pass per micro-batch, layers
+    recomputed in the backward): the padded ranks still give 1 rank's gradients."""
+    table = uneven_trainable()
+    single = one_update(tiny_model_dir, table, False, "cpu", True)
+    results = on_ranks(one_update, tiny_model_dir, table, True, "cpu", True, client=client,
+                       members=group_of(client, 2, "fsdp"))
+    assert_as_one_rank(single, results)
+    assert results[0]["metrics"]["padding_passes"] > 0
 
 
 def test_checkpoint_of_n_ranks_restores_on_m_bitwise(client, tiny_model_dir, tmp_path,
