@@ -206,6 +206,7 @@ def test_ranks_with_unequal_passes_and_gradient_checkpointing(client, tiny_model
     assert results[0]["metrics"]["padding_passes"] > 0
 
 
+@pytest.mark.parametrize(("write", "read"), [(2, 1), (1, 2)])
 def test_checkpoint_of_n_ranks_restores_on_m_bitwise(client, tiny_model_dir, tmp_path,
                                                      write, read):
     path = ckpt.begin(tmp_path, 1)
