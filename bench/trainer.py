@@ -6,10 +6,15 @@ batch (``--prompts`` groups of ``--samples`` rows, responses of 8..``--max-respo
 tokens, advantages of both signs) go to worker processes of one ``LocalCluster`` with one
 torch thread each. Every variant runs ``--updates`` updates after one warm-up; printed per
 variant: tokens (prompt + response, as the update counts them) per second of the median
-update, and the bytes each rank holds in parameters + gradients + AdamW state after the
-step (measured on the tensors: a DTensor counts its local shard). For FSDP2 also
-``gathered_extra_bytes``: the unsharded parameters and gradients a rank holds while its
-micro-batches run (``ops/parallel.py``), an accounting of full sizes, not a measurement.
+update, and the bytes each rank holds in parameters + gradients + AdamW state: after the
+step (``param_grad_optimizer_bytes_per_rank``: a DTensor counts its local shard), and the
+peak during the update (``peak_update_bytes_per_rank``): the bytes of the distinct storages
+behind the parameters, their gradients and the optimizer state, sampled after every step
+and, with FSDP2, at every unit's post-forward (the unit gathered) and post-backward (its
+unsharded gradient complete, before the reduce-scatter; the next unit may be prefetched),
+counting the gathered parameters and unsharded gradients alive then. Activations, the
+all-gather and reduce-scatter buffers and DDP's gradient buckets are not counted. For FSDP2
+also ``largest_unit_bytes``: the full parameter bytes of the largest sharded unit.
 ``lora``: bytes of a published version with adapters of rank ``--lora-rank`` on
 q/k/v/o_proj vs without. One JSON line.
 
@@ -31,6 +36,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 from distributed import Client, LocalCluster
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rlhfless.ops.lora import LoraSpec, add_adapters
@@ -76,28 +83,79 @@ def _bytes(tensors) -> int:
     return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct live storages behind ``tensors`` (a DTensor: its local shard)."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = local_part(t).untyped_storage()
+            if storage.data_ptr():
+                sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0),
+                                                storage.nbytes())
+    return sum(sizes.values())
+
+
+class PeakDuringUpdate:
+    """The largest parameter + gradient + optimizer-state bytes this process held at the
+    samples of the module docstring (FSDP2's hooks wrapped while inside the ``with``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer, self.peak = model, optimizer, 0
+        self.fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
+                            for group in [m._get_fsdp_state()._fsdp_param_group] if group
+                            for fp in group.fsdp_params]
+
+    def sample(self) -> None:
+        tensors = [t for p in self.model.parameters() for t in (p, p.grad)]
+        tensors += [t for s in self.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim()]
+        for fp in self.fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            tensors += [fp.sharded_param, fp.sharded_param.grad, unsharded,
+                        None if unsharded is None else unsharded.grad,
+                        fp.unsharded_accumulated_grad]
+        self.peak = max(self.peak, _storage_bytes(tensors))
+
+    def __enter__(self) -> PeakDuringUpdate:
+        self.saved = {name: getattr(FSDPParamGroup, name)
+                      for name in ("post_forward", "post_backward")}
+        for name, original in self.saved.items():
+            def sampled(group, *args, _original=original):
+                self.sample()
+                return _original(group, *args)
+            setattr(FSDPParamGroup, name, sampled)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.saved.items():
+            setattr(FSDPParamGroup, name, original)
+
+
 def run_updates(model_dir: str, batch: pa.Table, ranked: bool, updates: int) -> dict:
     """Warm-up + ``updates`` updates on this worker (as a rank if ``ranked``)."""
     torch.set_num_threads(1)
     ranks: Ranks | None = this_rank() if ranked else None
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    full = _bytes(model.parameters())
     wrapped = model if ranks is None else wrap_model(model, ranks)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
     seconds, tokens = [], 0
-    for i in range(updates + 1):
-        started = time.perf_counter()
-        metrics = update_policy(wrapped, optimizer, batch, PARAMS, pad_id=0, ranks=ranks)
-        if i:
-            seconds.append(time.perf_counter() - started)
-        tokens = metrics["forward_tokens"]
+    with PeakDuringUpdate(inner(wrapped), optimizer) as peak:
+        for i in range(updates + 1):
+            started = time.perf_counter()
+            metrics = update_policy(wrapped, optimizer, batch, PARAMS, pad_id=0, ranks=ranks)
+            if i:
+                seconds.append(time.perf_counter() - started)
+            tokens = metrics["forward_tokens"]
+            peak.sample()
     params = list(inner(wrapped).parameters())
     state = {"param": _bytes(params), "grad": _bytes(p.grad for p in params),
              "optimizer": _bytes(t for s in optimizer.state.values() for t in s.values()
                                  if torch.is_tensor(t) and t.dim())}
-    gathered = 2 * full if ranks is not None and ranks.parallel == "fsdp" else 0
+    units = [m for m in inner(wrapped).modules() if isinstance(m, FSDPModule)]
+    largest = max((sum(p.numel() * p.element_size() for p in m.parameters())
+                   for m in units if m is not inner(wrapped)), default=0)
     return {"seconds": statistics.median(seconds), "tokens": tokens, **state,
-            "total": sum(state.values()), "gathered_extra": gathered}
+            "total": sum(state.values()), "peak": peak.peak, "largest_unit": largest}
 
 
 def main() -> None:
@@ -125,13 +183,15 @@ def main() -> None:
             members = form_group(client, workers, workers, "cpu", parallel, leave_trainer_task)
             per_rank = on_ranks(run_updates, model_dir, batch, True, args.updates,
                                 client=client, members=members)
-            variants[f"2_ranks_{parallel}"] = max(per_rank, key=lambda r: r["total"])
+            variants[f"2_ranks_{parallel}"] = max(per_rank, key=lambda r: r["peak"])
     for name, r in variants.items():
         out[name] = {"tokens_per_s": round(r["tokens"] / r["seconds"], 1),
                      "update_s": round(r["seconds"], 3),
                      "param_grad_optimizer_bytes_per_rank": r["total"],
                      "vs_1_rank": round(r["total"] / one["total"], 3),
-                     "gathered_extra_bytes": r["gathered_extra"]}
+                     "peak_update_bytes_per_rank": r["peak"],
+                     "peak_vs_1_rank": round(r["peak"] / one["peak"], 3),
+                     "largest_unit_bytes": r["largest_unit"]}
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     full = Path(publish_weights(model, tmp / "full", 1).path).stat().st_size
     add_adapters(model, LoraSpec(args.lora_rank, 2.0 * args.lora_rank))

@@ -17,11 +17,19 @@ Under gradient checkpointing (a model in training mode with
 cache filled in the forward pass cannot survive (transformers then drops the cache), so
 ``response_logprobs`` runs each row whole, prompt + response, in one padded pass
 (``_whole_rows``): more tokens, far less activation memory.
+
+``backward_logprobs`` is the update's forward and backward: the same passes, but each
+model call is followed by its own backward (a chunk's right after its forward, on leaves cut
+from the prompt pass's KV and last logits; the prompt pass's last, with the gradients those
+leaves gathered). A micro-batch is then the sequence of model calls F (F B)^c B, c the
+chunks with more than one response token (``chunk_passes``): FSDP2 ranks, whose collectives
+run in those calls, agree on it and pad with ``zero_loss`` passes (``ops/parallel.py``).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +103,22 @@ class _PromptPass:
         logp = torch.log_softmax(logits / temperature, dim=-1)
         return logp.gather(-1, ids[..., None]).squeeze(-1)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self.kv for t in pair] + [self.last_logits]
+
+    def detached(self) -> _PromptPass:
+        """The same pass on leaves that gather the gradients of what continues it."""
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in self.tensors()]
+        kv = [(leaves[2 * i], leaves[2 * i + 1]) for i in range(len(self.kv))]
+        return _PromptPass(kv, leaves[-1], self.mask)
+
+    def backward_from(self, leaves: _PromptPass) -> None:
+        """The prompt pass's backward, with the gradients ``leaves`` gathered."""
+        pairs = [(t, leaf.grad) for t, leaf in zip(self.tensors(), leaves.tensors())
+                 if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
 
 def length_chunks(lengths: list[int], slack: float = 0.25) -> list[range]:
     """Consecutive runs of the ascending ``lengths`` whose padded tokens (rows × longest)
@@ -112,15 +136,14 @@ def length_chunks(lengths: list[int], slack: float = 0.25) -> list[range]:
     return chunks
 
 
-def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
-                      pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R] log-probability of each response token given its prompt and the response
-    tokens before it (temperature-scaled, float32 or wider), and the [B, R] mask of real
-    tokens, responses left-aligned; see the module docstring."""
+def _check_rows(prompts: list[list[int]], responses: list[list[int]]) -> None:
     if not all(prompts) or not all(responses):
         raise ValueError("response_logprobs: every row needs a non-empty prompt and response")
-    if model.training and checkpointing(model):
-        return _whole_rows(model, prompts, responses, pad_id, temperature)
+
+
+def _shared_prompts(model, prompts: list[list[int]], pad_id: int
+                    ) -> tuple[_PromptPass, torch.Tensor]:
+    """The pass over the distinct prompts, and for each row its prompt's index there."""
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts],
@@ -129,18 +152,91 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     cache = DynamicCache(config=model.config)
     out = forward_with_cache(model, cache, input_ids=p_ids, attention_mask=p_mask,
                              position_ids=positions_of(p_mask))
-    prompt = _PromptPass(layer_tensors(cache), out.logits[:, -1], p_mask)
-    width = max(map(len, responses))
+    return _PromptPass(layer_tensors(cache), out.logits[:, -1], p_mask), owner
+
+
+def _row_chunks(responses: list[list[int]]) -> list[list[int]]:
+    """Row indices per length chunk, rows by ascending response length."""
     order = sorted(range(len(responses)), key=lambda i: len(responses[i]))
-    parts = []
-    for chunk in length_chunks([len(responses[i]) for i in order]):
-        rows = [order[j] for j in chunk]
-        logp = prompt.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
+    return [[order[j] for j in chunk]
+            for chunk in length_chunks([len(responses[i]) for i in order])]
+
+
+def _runs_whole(model) -> bool:
+    return model.training and checkpointing(model)
+
+
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
+                      pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] log-probability of each response token given its prompt and the response
+    tokens before it (temperature-scaled, float32 or wider), and the [B, R] mask of real
+    tokens, responses left-aligned; see the module docstring."""
+    _check_rows(prompts, responses)
+    if _runs_whole(model):
+        return _whole_rows(model, prompts, responses, pad_id, temperature)
+    prompt, owner = _shared_prompts(model, prompts, pad_id)
+    device = owner.device
+    width = max(map(len, responses))
+    chunks = _row_chunks(responses)
+    parts = [torch.nn.functional.pad(
+        prompt.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
+                             temperature), (0, width - max(len(responses[i]) for i in rows)))
+        for rows in chunks]
+    restore = torch.argsort(torch.tensor([i for rows in chunks for i in rows], device=device))
+    return torch.cat(parts)[restore], _scored([len(r) for r in responses], width, device)
+
+
+def _scored(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] mask of the real tokens of left-aligned rows of ``lengths``."""
+    return torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]
+
+
+ChunkLoss = Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def chunk_passes(model, responses: list[list[int]]) -> int:
+    """How many model calls ``backward_logprobs`` makes after the prompt pass (c of the
+    module docstring): chunks whose longest response has more than one token; 0 when rows
+    run whole."""
+    if _runs_whole(model):
+        return 0
+    return sum(max(len(responses[i]) for i in rows) > 1 for rows in _row_chunks(responses))
+
+
+def zero_loss(model, pad_id: int) -> torch.Tensor:
+    """A one-token forward pass's loss that is exactly 0 and reaches every parameter: its
+    backward adds zeros to every gradient, and runs every collective a pass runs."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device))
+    return out.logits.float().sum() * 0.0
+
+
+def backward_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
+                      pad_id: int, temperature: float, chunk_loss: ChunkLoss,
+                      pad_passes: int = 0) -> None:
+    """Accumulate the gradients of sum over chunks of ``chunk_loss(rows, logp, scored)``
+    (``rows``: indices into the batch; ``logp``, ``scored``: their [b, r] log-probabilities
+    and real-token mask, as ``response_logprobs`` gives them), one backward per model call
+    (module docstring), with ``pad_passes`` ``zero_loss`` passes before the prompt pass's
+    backward. The gradients equal those of one backward, up to float32 rounding."""
+    _check_rows(prompts, responses)
+    if _runs_whole(model):
+        logp, scored = _whole_rows(model, prompts, responses, pad_id, temperature)
+        loss = chunk_loss(list(range(len(responses))), logp, scored)
+        for _ in range(pad_passes):
+            zero_loss(model, pad_id).backward()
+        loss.backward()
+        return
+    prompt, owner = _shared_prompts(model, prompts, pad_id)
+    leaves = prompt.detached()
+    for rows in _row_chunks(responses):
+        logp = leaves.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
                                     temperature)
-        parts.append(torch.nn.functional.pad(logp, (0, width - logp.shape[1])))
-    restore = torch.argsort(torch.tensor(order, device=device))
-    lengths = torch.tensor([len(r) for r in responses], device=device)
-    return torch.cat(parts)[restore], torch.arange(width, device=device) < lengths[:, None]
+        lengths = [len(responses[i]) for i in rows]
+        chunk_loss(rows, logp, _scored(lengths, max(lengths), owner.device)).backward()
+    for _ in range(pad_passes):
+        zero_loss(model, pad_id).backward()
+    prompt.backward_from(leaves)
 
 
 def enable_checkpointing(model) -> None:
@@ -170,8 +266,7 @@ def _whole_rows(model, prompts: list[list[int]], responses: list[list[int]], pad
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask),
                    use_cache=False).logits
     width = max(map(len, responses))
-    lengths = torch.tensor([len(r) for r in responses], device=device)
-    scored = torch.arange(width, device=device) < lengths[:, None]  # [B, R]
+    scored = _scored([len(r) for r in responses], width, device)  # [B, R]
     starts = torch.tensor([len(p) for p in prompts], device=device)[:, None]
     at = (starts + torch.arange(width, device=device)).clamp(max=ids.shape[1] - 1)  # [B, R]
     token = ids.gather(1, at)

@@ -2,23 +2,21 @@
 
 The trainer pool holds N ranks; every rank holds the policy wrapped by ``wrap_model``:
 
-* ``"fsdp"``: FSDP2 ``fully_shard`` on every decoder layer and on the root, so parameters,
-  gradients and AdamW state live sharded on dimension 0 (1/N of each per rank, as DTensors)
-  between updates;
-* ``"ddp"``: ``DistributedDataParallel``: every rank holds everything; gradients all-reduced.
+* ``"fsdp"``: FSDP2 ``fully_shard`` on every decoder layer, on the input embeddings and the
+  output head (when they are not tied) and on the root, so parameters, gradients and AdamW
+  state live sharded on dimension 0 (1/N of each per rank, as DTensors). Each unit is
+  gathered for its forward and again for its backward, and resharded after each; its
+  gradient is reduce-scattered at the end of each backward (ZeRO-3);
+* ``"ddp"``: ``DistributedDataParallel``: every rank holds everything; gradients all-reduced
+  once per update (``sync_gradients``).
 
-One update (``ops/update.py``) runs the same schedule on every rank, whatever its share of
-the batch:
-
-    begin_accumulation     fsdp: all-gather every layer once, keep it gathered; no grad sync
-    rank's micro-batches   any number of forward passes each (the shared-prompt forward runs
-                           one pass per prompt batch and one per length chunk), no collectives
-    sync_gradients         one tiny forward + backward with sync on: the accumulated gradients
-                           are reduce-scattered (fsdp) or all-reduced (ddp), then resharded
-
-so ranks with different numbers of micro-batches or forward passes never disagree on the
-sequence of collectives. The cost: during an update each rank holds the gathered parameters
-and their unsharded gradients (as ZeRO-2 would); between updates only its shards.
+With FSDP2 the collectives run inside every forward and backward pass, so every rank must
+run the same sequence of passes whatever its share of the batch. An update's micro-batch is
+the sequence F (F B)^c B (``ops/forward.py``, ``backward_logprobs``). The ranks agree with
+``agree_passes`` (one all-reduce of the counts) on the number of micro-batches and, for each,
+on c; a rank short of chunks adds ``zero_loss`` passes, a rank short of micro-batches runs
+``idle_micro_batch``. Those passes add exact zeros to the gradients. DDP runs no collective
+in the passes (they skip its wrapper) and needs no agreement.
 Collectives reduce by mean, so each rank scales its loss by the world size (``loss_scale``)
 and the reduced gradient is the gradient of the whole batch's loss.
 
@@ -35,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from .forward import zero_loss
 
 PARALLEL = ("fsdp", "ddp")
 
@@ -73,9 +73,20 @@ def split_rows(prompts: list[list[int]], response_lens: list[int], world: int
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a Hugging Face model (``_no_split_modules`` names them)."""
+    """The repeated blocks of a Hugging Face model (``_no_split_modules`` names them; sharded
+    or not: ``fully_shard`` subclasses a module's class)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``wrap_model`` shards one by one before the root: the decoder layers, and
+    the input embeddings and output head unless they share their weight."""
+    units = decoder_layers(model)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and head is not None and embed.weight is not head.weight:
+        units += [embed, head]
+    return units
 
 
 def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
@@ -83,8 +94,8 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     (ddp: a wrapper whose ``.module`` is ``model``). Build the optimizer afterwards, over the
     returned module's parameters."""
     if ranks.parallel == "fsdp":
-        for layer in decoder_layers(model):
-            fully_shard(layer)
+        for unit in shard_units(model):
+            fully_shard(unit)
         fully_shard(model)
         return model
     if ranks.parallel == "ddp":
@@ -98,32 +109,31 @@ def inner(model: torch.nn.Module) -> torch.nn.Module:
         else model
 
 
-def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+def agree_passes(chunks: list[int], device: torch.device) -> list[int]:
+    """Per micro-batch, the most chunk passes any rank runs in it (``chunks``: this rank's
+    per micro-batch; a rank without a k-th micro-batch counts -1 there), over as many
+    micro-batches as the rank with most has. Every rank gets the same list."""
+    count = torch.tensor([len(chunks)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    per = torch.full((int(count),), -1, dtype=torch.int64, device=device)
+    per[:len(chunks)] = torch.tensor(chunks, dtype=torch.int64)
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    return [max(c, 0) for c in per.tolist()]
 
 
-def begin_accumulation(model: torch.nn.Module) -> None:
-    """Before a rank's micro-batches: no collective until ``sync_gradients``."""
-    for m in _fsdp_modules(model):  # same order on every rank: the all-gathers match
-        m.set_reshard_after_forward(False, recurse=False)
-        m.set_reshard_after_backward(False, recurse=False)
-        m.set_requires_gradient_sync(False, recurse=False)
-        m.unshard()
+def idle_micro_batch(model: torch.nn.Module, pad_id: int, passes: int) -> None:
+    """A micro-batch's sequence of passes, F (F B)^passes B, on ``zero_loss`` passes."""
+    kept = zero_loss(model, pad_id)
+    for _ in range(passes):
+        zero_loss(model, pad_id).backward()
+    kept.backward()
 
 
 def sync_gradients(model: torch.nn.Module, pad_id: int) -> None:
-    """Reduce the gradients accumulated since ``begin_accumulation`` over the ranks: one
-    forward + backward of a one-token input whose loss is 0 (it adds zeros to every
-    gradient) with sync on, through the wrapper so that its hooks reduce."""
-    fsdp = _fsdp_modules(model)
-    for m in fsdp:
-        m.set_requires_gradient_sync(True, recurse=False)
-        m.set_reshard_after_backward(True, recurse=False)
-    device = next(model.parameters()).device
-    out = model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device))
-    (out.logits.float().sum() * 0.0).backward()
-    for m in fsdp:
-        m.set_reshard_after_forward(True, recurse=False)
+    """DDP: all-reduce the gradients accumulated by passes that skipped the wrapper, with one
+    ``zero_loss`` pass through it (its hooks reduce). FSDP2 reduced them in each backward."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        zero_loss(model, pad_id).backward()
 
 
 def all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:

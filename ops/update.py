@@ -16,6 +16,9 @@ belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
 the budget, not by the batch. The samples of a group share their prompt's forward pass
 (``response_logprobs``), as generation shares its prefill: with n samples per prompt the
 update runs each prompt once, not n times (``forward_tokens`` vs ``forward_tokens_naive``).
+The loss is taken per length chunk, each chunk's backward right after its forward
+(``backward_logprobs``); with FSDP2 ranks every rank runs the same passes
+(``padding_passes``: the zero-loss passes added for that, over the ranks).
 ``epochs`` > 1 reuses the batch (PPO-style) with the ratio correcting for the drift.
 
 Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
@@ -34,13 +37,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from .forward import response_logprobs
+from .forward import backward_logprobs, chunk_passes, response_logprobs
 from .offpolicy import clipped_pg
 from .parallel import (
     Ranks,
+    agree_passes,
     all_reduce_sum,
-    begin_accumulation,
     full_tensor,
+    idle_micro_batch,
     inner,
     split_rows,
     sync_gradients,
@@ -163,60 +167,81 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
         older = version < version.max()  # [N] rows behind the batch's newest version
         older_totals = {"tis_weight_mean_older": 0.0, "tis_truncated_frac_older": 0.0,
                         "older_tokens": 0.0}
-    prox: dict[int, torch.Tensor] = {}  # micro-batch -> proximal logprobs [B, T] (epoch 0)
+    prox: dict[tuple[int, ...], torch.Tensor] = {}  # chunk's rows -> proximal logprobs
+    chunks = [chunk_passes(model, [responses[i] for i in mb]) for mb in micro]
+    passes = chunks  # every rank runs the same passes (ops/parallel.py)
+    if ranks is not None and ranks.parallel == "fsdp":
+        passes = agree_passes(chunks, device)
+    scale = 1.0 if ranks is None else ranks.loss_scale
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
-        if ranks is not None:
-            begin_accumulation(forward)
-        for k, mb in enumerate(micro):
+        for k, agreed in enumerate(passes):
+            if k >= len(micro):
+                idle_micro_batch(model, pad_id, agreed)
+                continue
+            mb = micro[k]
             mb_prompts, mb_responses = [prompts[i] for i in mb], [responses[i] for i in mb]
-            logp, scored = response_logprobs(model, mb_prompts, mb_responses, pad_id,
-                                             params.temperature)  # [B, R]
-            old = _scatter_rows([behaviour[i] for i in mb], scored)
-            if masks:  # multi-turn: observation tokens take no part in the loss
-                scored = scored & (_scatter_rows([masks[i] for i in mb], scored) > 0)
-            adv = torch.tensor([advantages[i] for i in mb], device=device)[:, None]  # [B, 1]
-            if params.tis_cap is not None and k not in prox:  # no step yet: the trainer's own
-                prox[k] = logp.detach()
-            terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(k), params.tis_cap)
-            pg = per_token = terms.loss
+            ref = None
             if params.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = response_logprobs(ref_model, mb_prompts, mb_responses, pad_id,
                                                params.temperature)
-                delta = ref - logp
-                kl = torch.exp(delta) - delta - 1
-                per_token = per_token + params.kl_coef * kl
-                totals["kl"] += kl[scored].sum().item() / n_tokens / params.epochs
-            loss = per_token[scored].sum() / n_tokens
-            (loss.backward() if ranks is None else (loss * ranks.loss_scale).backward())
-            totals["loss"] += loss.item() / params.epochs
-            totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
-            for key, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
-                               ("tis_weight_mean", terms.weight),
-                               ("tis_truncated_frac", terms.truncated)):
-                if key in totals:
-                    totals[key] += value[scored].sum().item() / n_tokens / params.epochs
-            if params.tis_cap is not None:
-                mine = scored & torch.tensor(older[mb], device=device)[:, None]  # [B, R]
-                older_totals["older_tokens"] += mine.sum().item() / params.epochs
-                older_totals["tis_weight_mean_older"] += (
-                    terms.weight[mine].sum().item() / params.epochs)
-                older_totals["tis_truncated_frac_older"] += (
-                    terms.truncated[mine].sum().item() / params.epochs)
+
+            def chunk_loss(rows: list[int], logp: torch.Tensor, scored: torch.Tensor,
+                           mb: list[int] = mb, ref: torch.Tensor | None = ref) -> torch.Tensor:
+                """The loss of the rows ``rows`` of ``mb``; adds to the metrics."""
+                idx = [mb[j] for j in rows]
+                old = _scatter_rows([behaviour[i] for i in idx], scored)
+                if masks:  # multi-turn: observation tokens take no part in the loss
+                    scored = scored & (_scatter_rows([masks[i] for i in idx], scored) > 0)
+                adv = torch.tensor([advantages[i] for i in idx], device=device)[:, None]
+                key = tuple(idx)
+                if params.tis_cap is not None and key not in prox:  # no step yet: own logps
+                    prox[key] = logp.detach()
+                terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(key),
+                                   params.tis_cap)
+                pg = per_token = terms.loss
+                if ref is not None:
+                    delta = ref[rows, :logp.shape[1]] - logp
+                    kl = torch.exp(delta) - delta - 1
+                    per_token = per_token + params.kl_coef * kl
+                    totals["kl"] += kl[scored].sum().item() / n_tokens / params.epochs
+                loss = per_token[scored].sum() / n_tokens
+                totals["loss"] += loss.item() / params.epochs
+                totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
+                for name, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
+                                    ("tis_weight_mean", terms.weight),
+                                    ("tis_truncated_frac", terms.truncated)):
+                    if name in totals:
+                        totals[name] += value[scored].sum().item() / n_tokens / params.epochs
+                if params.tis_cap is not None:
+                    mine = scored & torch.tensor(older[idx], device=device)[:, None]  # [b, r]
+                    older_totals["older_tokens"] += mine.sum().item() / params.epochs
+                    older_totals["tis_weight_mean_older"] += (
+                        terms.weight[mine].sum().item() / params.epochs)
+                    older_totals["tis_truncated_frac_older"] += (
+                        terms.truncated[mine].sum().item() / params.epochs)
+                return loss * scale
+
+            backward_logprobs(model, mb_prompts, mb_responses, pad_id, params.temperature,
+                              chunk_loss, pad_passes=agreed - chunks[k])
         if ranks is not None:
             sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
         optimizer.step()
     model.eval()
+    padding = params.epochs * (sum(a - c for a, c in zip(passes, chunks))
+                               + sum(1 + a for a in passes[len(micro):]))
     counts = {"micro_batches": len(micro), "forward_tokens": prompt_tokens + n_tokens,
-              "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens}
+              "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens,
+              "padding_passes": padding}
     if ranks is not None:  # every rank's share; n_tokens is already the batch's
         local = {"micro_batches": len(micro), "forward_tokens": prompt_tokens,
-                 "forward_tokens_naive": sum(len(prompts[i]) for i in keep)}
+                 "forward_tokens_naive": sum(len(prompts[i]) for i in keep),
+                 "padding_passes": padding}
         summed = all_reduce_sum(totals | local, device)
         totals = {k: summed[k] for k in totals}
-        counts = {k: int(summed[k]) + (n_tokens if k != "micro_batches" else 0)
+        counts = {k: int(summed[k]) + (n_tokens if k.startswith("forward_tokens") else 0)
                   for k in local}
     if params.tis_cap is not None:
         totals |= older_summary(older_totals, n_tokens, device, ranks)

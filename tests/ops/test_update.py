@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfless.ops.forward import length_chunks, response_logprobs
+from rlhfless.ops.forward import backward_logprobs, length_chunks, response_logprobs
 from rlhfless.ops.generate import SamplingParams, generate_rollouts
 from rlhfless.ops.schema import SCORED, TRAINABLE, check_columns
 from rlhfless.ops.tinytask import make_prompt
@@ -233,3 +233,32 @@ def test_missing_advantage_column_raises(model, tokenizer, batch):
     with pytest.raises(ValueError, match="missing column 'advantage'"):
         update_policy(model, optimizer, batch.drop_columns(["advantage"]), UpdateParams(),
                       tokenizer.pad_token_id)
+
+
+def test_backward_per_model_call_gives_one_backwards_gradients(model64):
+    """``backward_logprobs`` (a backward after each chunk, the prompt pass's last, zero-loss
+    passes between) accumulates the gradients of one backward through ``response_logprobs``;
+    the zero-loss passes add exact zeros."""
+    prompts = [[5, 9, 11], [5, 9, 11], [5, 9, 11], [7, 8], [7, 8]]
+    responses = [[4], [6, 7, 8, 9, 10, 11, 12, 13, 14], [6, 7], [12, 13, 14], [3]]
+    weights = torch.tensor([0.5, -1.0, 2.0, 1.5, -0.25], dtype=torch.float64)
+
+    def grads(run) -> dict[str, torch.Tensor]:
+        net = copy.deepcopy(model64).train()
+        run(net)
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    def one_backward(net):
+        logp, scored = response_logprobs(net, prompts, responses, 0, 1.0)
+        (logp * scored * weights[:, None]).sum().backward()
+
+    def chunk_loss(rows, logp, scored):
+        return (logp * scored * weights[rows][:, None]).sum()
+
+    want = grads(one_backward)
+    got = grads(lambda net: backward_logprobs(net, prompts, responses, 0, 1.0, chunk_loss))
+    padded = grads(lambda net: backward_logprobs(net, prompts, responses, 0, 1.0, chunk_loss,
+                                                 pad_passes=2))
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12)
+        assert torch.equal(padded[name], got[name]), name

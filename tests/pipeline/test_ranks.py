@@ -14,7 +14,16 @@ import zarr
 from distributed import Client, LocalCluster
 from transformers import AutoModelForCausalLM
 
-from rlhfless.ops.parallel import full_state, full_tensor, inner, split_rows, wrap_model
+from rlhfless.ops.forward import enable_checkpointing
+from rlhfless.ops.parallel import (
+    decoder_layers,
+    full_state,
+    full_tensor,
+    inner,
+    is_sharded,
+    split_rows,
+    wrap_model,
+)
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline import checkpoint as ckpt
@@ -26,8 +35,7 @@ PARAMS = UpdateParams(lr=1e-2, micro_batch_tokens=96, max_grad_norm=1e9)
 
 
 def trainable(n_prompts: int = 5, n_samples: int = 3, seed: int = 0) -> pa.Table:
-    """Groups of ``n_samples`` rows per prompt, responses of mixed lengths, behaviour
-    log-probabilities near the model's and advantages of both signs."""
+    """Groups of ``n_samples`` rows per prompt, responses of mixed lengths."""
     rng = random.Random(seed)
     prompts, responses = [], []
     for _ in range(n_prompts):
@@ -35,12 +43,29 @@ def trainable(n_prompts: int = 5, n_samples: int = 3, seed: int = 0) -> pa.Table
         for _ in range(n_samples):
             prompts.append(prompt)
             responses.append([rng.randrange(4, 200) for _ in range(rng.randrange(1, 12))])
+    return table_of(prompts, responses, rng)
+
+
+def uneven_trainable() -> pa.Table:
+    """Over 2 ranks, one gets a group of 8 responses of 1..40 tokens (several micro-batches
+    and length chunks at ``PARAMS``' budget), the other two groups of 1..3-token responses
+    (one micro-batch): their passes differ."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(4, 200) for _ in range(6)]] * 8 + [[5, 6, 7]] * 3 + [[8, 9]] * 3
+    lengths = [1, 2, 5, 9, 14, 20, 28, 40, 1, 1, 2, 1, 3, 1]
+    return table_of(prompts, [[rng.randrange(4, 200) for _ in range(n)] for n in lengths], rng)
+
+
+def table_of(prompts: list[list[int]], responses: list[list[int]], rng: random.Random
+             ) -> pa.Table:
+    """A trainable batch of these rows: behaviour log-probabilities near the model's and
+    advantages of both signs."""
     n = len(prompts)
     columns = {
-        "prompt_id": [f"p{i // n_samples}" for i in range(n)], "prompt_ids": prompts,
+        "prompt_id": [f"p{prompts.index(p)}" for p in prompts], "prompt_ids": prompts,
         "answer": [None] * n, "data_source": ["t"] * n,
-        "sample_idx": [i % n_samples for i in range(n)], "response_ids": responses,
-        "response_text": [""] * n,
+        "sample_idx": [prompts[:i].count(p) for i, p in enumerate(prompts)],
+        "response_ids": responses, "response_text": [""] * n,
         "logprobs": [[-5.0 - 0.1 * rng.random() for _ in r] for r in responses],
         "finish_reason": ["stop"] * n, "policy_version": [0] * n, "worker": ["w"] * n,
         "gen_start": [0.0] * n, "gen_end": [0.0] * n, "reward": [0.0] * n,
@@ -54,20 +79,32 @@ def load(model_dir) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu") -> dict:
+def one_update(model_dir, table: pa.Table, ranked: bool, device: str = "cpu",
+               checkpointed: bool = False) -> dict:
     """One update here (``ranked`` false) or on this rank: metrics, full gradients, weights
-    and AdamW state after the step, gathered (on CPU). ``device``: "cuda" for the NCCL
-    check of bench/gpu_check.sh."""
+    and AdamW state after the step, gathered (on CPU), and the most decoder layers found
+    gathered at once when a layer's forward starts. ``device``: "cuda" for the NCCL check of
+    bench/gpu_check.sh; ``checkpointed``: with gradient checkpointing."""
     ranks = this_rank() if ranked else None
     model = load(model_dir).to(device)
+    if checkpointed:
+        enable_checkpointing(model)
     wrapped = model if ranks is None else wrap_model(model, ranks)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=PARAMS.lr, weight_decay=0.0)
+    layers, gathered = decoder_layers(inner(wrapped)), [0]
+
+    def count_gathered(*_) -> None:  # FSDP2 swaps a gathered unit's DTensors for tensors
+        gathered[0] = max(gathered[0], sum(not is_sharded(next(m.parameters()))
+                                           for m in layers))
+    hooks = [m.register_forward_pre_hook(count_gathered) for m in layers]
     metrics = update_policy(wrapped, optimizer, table, PARAMS, pad_id=0, ranks=ranks)
+    for hook in hooks:
+        hook.remove()
     named = dict(inner(wrapped).named_parameters())
     grads = {n: full_tensor(p.grad).cpu() for n, p in named.items()}
     exp_avg = {n: full_tensor(optimizer.state[p]["exp_avg"]).cpu() for n, p in named.items()}
     return {"metrics": metrics, "grads": grads, "weights": full_state(wrapped, keep=True),
-            "exp_avg": exp_avg}
+            "exp_avg": exp_avg, "gathered_layers": gathered[0]}
 
 
 def save_after_update(model_dir, table: pa.Table, path: str) -> int:
@@ -117,12 +154,7 @@ def test_split_rows_keeps_groups_whole_and_balances_tokens():
     assert all(part for part in parts)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
-def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
-    table = trainable()
-    single = one_update(tiny_model_dir, table, ranked=False)
-    members = group_of(client, 2, parallel)
-    results = on_ranks(one_update, tiny_model_dir, table, True, client=client, members=members)
+def assert_as_one_rank(single: dict, results: list[dict]) -> None:
     for got in results:  # every rank sees the whole gradient and the same weights
         for name, grad in single["grads"].items():  # float32 sums in another order
             scale = grad.abs().max().item()
@@ -136,6 +168,42 @@ def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
         assert got["metrics"]["tokens"] == single["metrics"]["tokens"]
         assert got["metrics"]["forward_tokens"] == single["metrics"]["forward_tokens"]
     assert single["metrics"]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
+    table = trainable()
+    single = one_update(tiny_model_dir, table, ranked=False)
+    members = group_of(client, 2, parallel)
+    assert_as_one_rank(single, on_ranks(one_update, tiny_model_dir, table, True,
+                                        client=client, members=members))
+
+
+def test_ranks_with_unequal_passes_reshard_and_give_one_ranks_gradients(client,
+                                                                        tiny_model_dir):
+    """FSDP2 ranks whose shares differ in micro-batches and chunk passes pad with zero-loss
+    passes, so each unit can be gathered per pass and resharded after it: at most one layer
+    is gathered when a layer's forward starts, and the gradients are 1 rank's."""
+    table = uneven_trainable()
+    single = one_update(tiny_model_dir, table, ranked=False)
+    results = on_ranks(one_update, tiny_model_dir, table, True, client=client,
+                       members=group_of(client, 2, "fsdp"))
+    assert_as_one_rank(single, results)
+    assert results[0]["metrics"]["padding_passes"] > 0
+    assert single["metrics"]["padding_passes"] == 0
+    assert [r["gathered_layers"] for r in results] == [1, 1]
+
+
+@pytest.mark.slow
+def test_ranks_with_unequal_passes_and_gradient_checkpointing(client, tiny_model_dir):
+    """Rows run whole under gradient checkpointing (one pass per micro-batch, layers
+    recomputed in the backward): the padded ranks still give 1 rank's gradients."""
+    table = uneven_trainable()
+    single = one_update(tiny_model_dir, table, False, "cpu", True)
+    results = on_ranks(one_update, tiny_model_dir, table, True, "cpu", True, client=client,
+                       members=group_of(client, 2, "fsdp"))
+    assert_as_one_rank(single, results)
+    assert results[0]["metrics"]["padding_passes"] > 0
 
 
 @pytest.mark.parametrize(("write", "read"), [(2, 1), (1, 2)])
