@@ -8,7 +8,9 @@ certain; the scaling decision and the planner are the real ones), the rollouts e
 uninterrupted decoding token for token, every (prompt, sample) comes out once, and
 ``decisions.jsonl`` records each move's path, predicted and actual seconds and bytes, which
 the policy has learned from. A short training run on the long-tail task (``task =
-"tally-long"``) logs its moves the same way (slow)."""
+"tally-long"``) returns every (prompt, sample) once and logs whatever moves its policy
+plans the same way (slow; at this size and load the real policy often plans none: one
+worker at lambda 0.5, and no move that pays at lambda 1)."""
 
 from __future__ import annotations
 
