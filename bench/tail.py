@@ -29,16 +29,22 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rlhfless.ops.benchmodel import ensure_bench_model
 from rlhfless.ops.generate import SamplingParams
+from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
 from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.tail import MODES, TailModels, run_tail
-from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task, profile_steps_task
+from rlhfless.pipeline.tail_tasks import (
+    adopt_tails_task,
+    export_tail_task,
+    move_actual_s,
+    profile_steps_task,
+)
 from rlhfless.pipeline.workers import (
     EngineSpec,
     GenSpec,
@@ -47,7 +53,7 @@ from rlhfless.pipeline.workers import (
     generate_task,
 )
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.tail_cost import StepProfile, TransferModel, choose_kv_path
+from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
 
 WORKERS = 2
@@ -56,12 +62,6 @@ WORKERS = 2
 def plain(value):
     """JSON for numpy scalars."""
     return value.item() if hasattr(value, "item") else str(value)
-
-
-def kv_bytes_per_token(path) -> float:
-    cfg = AutoConfig.from_pretrained(path)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # fp32 K and V
 
 
 def warm(pc: PoolCluster, spec: GenSpec, weights: WeightsRef, shard: pa.Table) -> list[str]:
@@ -98,8 +98,7 @@ def audit(pc, names, prompts, spec, weights, models: TailModels, rounds: int) ->
             continue
         ctx = sum(len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(),
                                                   cut.column("partial_ids").to_pylist()))
-        choice = choose_kv_path(ctx, int(ctx * models.kv_bytes_per_token), models.transfer,
-                                models.throughput)
+        choice = models.kv.choose(ctx)
         redo = c.submit(adopt_tails_task, [], f"{key}-r", weights, spec, recompute=cut,
                         workers=[dst], pure=False).result()
         sent = c.submit(export_tail_task, key, workers=[src], pure=False)
@@ -108,10 +107,9 @@ def audit(pc, names, prompts, spec, weights, models: TailModels, rounds: int) ->
         del sent
         for k in (f"{key}-r", f"{key}-t"):
             c.submit(drop_task, k, workers=[dst], pure=False).result()
-        actual_t = moved["export_s"] + moved["transfer_s"] + moved["rebuild_s"]
-        actual_r = redo["recompute_s"]
-        models.transfer.observe(moved["bytes"], actual_t)
-        models.throughput.observe_prefill(redo["recompute_tokens"], actual_r)
+        actual_t, actual_r = move_actual_s("transfer", moved), move_actual_s("recompute", redo)
+        models.kv.observe("transfer", moved["context_tokens"], moved["bytes"], actual_t)
+        models.kv.observe("recompute", redo["recompute_tokens"], 0, actual_r)
         best = "transfer" if actual_t <= actual_r else "recompute"
         log.append({"context_tokens": ctx, "bytes": moved["bytes"], "path": choice.path,
                     "predicted_transfer_s": choice.transfer_s,
@@ -136,8 +134,8 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
         measured = pc.client.submit(profile_steps_task, spec, weights, (1, 8), (1, 2),
                                     workers=[pc.address_of(names[0])], pure=False).result()
         profile = StepProfile(measured)
-        models = TailModels(TransferModel(), ThroughputModel(), profile,
-                            out["kv_bytes_per_token"])
+        models = TailModels(KvCosts(ThroughputModel(), TransferModel(),
+                                    out["kv_bytes_per_token"]), profile)
         out["profile"] = profile.to_record()
         out["thread_speedup"] = {b: profile.speedup(b, 2) for b in (1, 8)}
         # prime the cost models with two moves of this run (as a live run's first tails)

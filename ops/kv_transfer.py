@@ -80,6 +80,17 @@ class TailKV:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def kv_bytes_per_token(model_path: str, element_size: int = 4) -> float:
+    """Bytes of one context token's KV cache (keys and values of every layer) for the model
+    at ``model_path``, at ``element_size`` bytes per number (4: the fp32 CPU engine)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return float(2 * cfg.num_hidden_layers * kv_heads * head_dim * element_size)
+
+
 def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
     """The live rows of a paused ``dec`` (``rows``: one per sequence of the decoding) as a
     ``TailKV`` on the CPU."""
@@ -118,6 +129,22 @@ def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
         reasons=["length"] * n, gen=gen)
     rows = pa.concat_tables([t.rows for t in tails if t.n_sequences])
     return dec, rows
+
+
+def take_tail(tail: TailKV, positions: list[int]) -> TailKV:
+    """The sequences at ``positions`` of ``tail`` (in that order) as a tail of their own: a
+    tail split over several targets. Each part keeps the generator state (greedy decoding is
+    unchanged; sampling draws a different stream, as merged tails do)."""
+    if not positions or min(positions) < 0 or max(positions) >= tail.n_sequences:
+        raise ValueError(f"take_tail: positions {positions} of a tail of {tail.n_sequences}")
+    index = torch.tensor(positions, dtype=torch.long)
+    return TailKV(
+        rows=tail.rows.take(pa.array(positions, pa.int64())),
+        kv=[tail.kv[p] for p in positions], logits=tail.logits[index].clone(),
+        next_pos=tail.next_pos[index].clone(), budget=tail.budget[index].clone(),
+        tokens=[tail.tokens[p] for p in positions],
+        logprobs=[tail.logprobs[p] for p in positions], rng_state=tail.rng_state,
+        start=tail.start, exported_at=tail.exported_at, export_s=tail.export_s)
 
 
 def recompute_tail(model, cut: pa.Table, params: SamplingParams, pad_id: int,

@@ -69,6 +69,7 @@ class TinyRecipe:
 TASK_RECIPES = {  # config key ``task``: the recipe of the embedded model that learns it
     "tally": TinyRecipe(),
     "tally-tool": TinyRecipe(task=TallyToolTask()),
+    "tally-long": TinyRecipe(),  # the default model answers the long-tail setting as it is
 }
 
 

@@ -94,6 +94,7 @@ class DriverState:
     predictor: dict[str, Any]  # LengthPredictor.state_dict()
     throughput: dict[str, Any]  # ThroughputModel.state_dict()
     update_seconds: float = 1.0  # ElasticPolicy.update_seconds
+    kv: dict[str, Any] = field(default_factory=dict)  # ElasticPolicy.kv.state_dict()
     ledger_totals: dict[str, float] = field(default_factory=dict)
     model_path: str = ""  # the Hugging Face directory the run started from
     data_digest: str = ""  # fingerprint of the prompts the sampler draws from
@@ -150,7 +151,7 @@ def write_driver(path: str | Path, state: DriverState) -> None:
         "sampler_position": state.sampler_position, "update_seconds": state.update_seconds,
         "ledger_totals": state.ledger_totals, "model_path": state.model_path,
         "data_digest": state.data_digest, "tables": sorted(state.tables),
-        "written_unix": time.time(),
+        "written_unix": time.time(), "kv": state.kv,
     })
     driver = root.create_group("driver")
     put_rng(driver.create_group("rng"))
@@ -349,7 +350,7 @@ def read_driver(path: str | Path, restore_rng: bool = True) -> DriverState:
         throughput=get_tree(root["driver/throughput"]),
         update_seconds=float(a["update_seconds"]), ledger_totals=dict(a["ledger_totals"]),
         model_path=str(a["model_path"]), data_digest=str(a.get("data_digest", "")),
-        tables=tables)
+        tables=tables, kv=dict(a.get("kv", {})))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path,

@@ -37,7 +37,7 @@ CHOICES = {
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
-    "task": ("tally", "tally-tool"),
+    "task": ("tally", "tally-tool", "tally-long"),
 }
 
 KNOBS = ElasticKnobs()
@@ -72,7 +72,8 @@ class Config:
     on_bad_row: str = "error"
     on_long_prompt: str = "skip"
     require_answers: bool = True  # a prompt without ground truth is a bad row
-    task: str = "tally"  # with model = "tiny": the embedded task (tally-tool: multi-turn)
+    task: str = "tally"  # with model = "tiny": the embedded task (tally-tool: multi-turn;
+    # tally-long: the long-tail setting's prompts, LongTailTallyTask, on the default model)
     # multi-turn rollouts (ops/episode.py): on when an environment is set (or task needs one)
     environment: str = ""  # "python", "tally-tool" or "module:Class"; empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment

@@ -10,23 +10,30 @@ driver with Dask futures (the graph is decided as it runs):
    fitted online to this run's own timings), grow or retire the pool to that size;
 3. generate each shard in a chunk that pauses at completion fraction τ; for the paused
    tail ``ElasticPolicy.migrate`` decides: resume it where its KV cache is, or cut it and continue
-   it on other workers, recomputing its prefix there;
+   it on other workers; ``ElasticPolicy.kv_path`` decides per move whether its KV cache
+   travels there (exported on the source, fetched worker to worker by the target:
+   ``tail_tasks.py``) or its prefix is recomputed there, from the transfer and prefill
+   rates fitted to the run's own moves (the emulated backend keeps no KV cache: it
+   recomputes);
 4. as soon as a shard is complete, score it and compute its advantages (streaming);
 5. release generation workers that would idle longer than a cold start costs (break-even
    keep-alive) — the pool shrinks to what the update needs while the update runs.
 
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
-``decisions.jsonl``.
+``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
+when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 from distributed import as_completed
 
+from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.shard import take_shards
@@ -37,6 +44,13 @@ from .cluster import PoolCluster
 from .config import Config
 from .metrics import generation_metrics
 from .runs import RunDir
+from .tail_tasks import (
+    adopt_tails_task,
+    export_tail_task,
+    move_actual_s,
+    resume_adopted_task,
+    take_tail_task,
+)
 from .workers import advantage_task, reward_task
 
 
@@ -66,6 +80,7 @@ class ElasticGeneration:
         self.pc, self.cfg, self.run, self.policy = pc, cfg, run, policy
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
+        self.kv_moves = cfg.backend == "hf"  # the emulated backend keeps no KV cache
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -107,6 +122,10 @@ class ElasticGeneration:
         self.load = {w: WorkerProgress(0, 0, busy=False) for w in workers}
         self.pending: dict[int, set] = {}
         self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
+        self.moving: dict[str, dict] = {}  # key of a move's landing future -> its record
+        self.exports: dict[str, list] = {}  # source -> futures of its exported tails
+        if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
+            self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
         pieces: dict[int, list[pa.Table]] = {}
         for i, (shard, worker) in enumerate(zip(shards, workers)):
@@ -118,10 +137,19 @@ class ElasticGeneration:
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
+            if fut.key in self.moving and fut.key not in self.where:  # a KV move landed
+                released += self._landed(fut.key, fut.result(), iteration)
+                continue
             i, worker = self.where.pop(fut.key)
             self.pending[i].discard(fut.key)
             self.load[worker] = WorkerProgress(0, 0, busy=False)
             out = fut.result()
+            if fut.key in self.moving:  # a recomputed continuation: its prefill is the move's
+                meta = out.schema.metadata or {}
+                released += self._landed(fut.key, {
+                    "recompute_s": float(meta.get(b"prefill_seconds", 0.0)),
+                    "recompute_tokens": int(meta.get(b"prefill_tokens", 0)), "bytes": 0,
+                    "sequences": len(out)}, iteration)
             if isinstance(out, dict):  # a chunk: finished rows, and maybe a paused tail
                 pieces[i].append(out["done"])
                 if len(out["cut"]):
@@ -181,24 +209,89 @@ class ElasticGeneration:
         rem = self.policy.remaining([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
                                     [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
-        moves = [m for m in self.policy.migrate(self.load) if m.source == worker]
+        moves = [m for m in self.policy.migrate(self.load, kv_transfer=self.kv_moves)
+                 if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
                          weights, specs.gen, key=f"resume-{iteration}-{shard}")
             return 0
-        self.pc.client.submit(self.tasks.drop_task, key, workers=[self.pc.address_of(worker)],
-                              pure=False).result()
-        row_of = {seq: r for r, seq in enumerate(ids)}
-        for j, move in enumerate(moves):
-            part = cut.take(pa.array([row_of[s] for s in move.seq_ids], pa.int64()))
-            self._submit(shard, move.target, self.load_of(part, part),
-                         self.tasks.continue_task, part, weights, specs.gen,
-                         seed * 7919 + shard * 31 + j,
-                         key=f"continue-{iteration}-{shard}-{j}")
-            self.log(iteration, pool="gen", kind="migrate", source=worker, target=move.target,
-                     sequences=len(move.seq_ids), reason=move.reason,
-                     predicted_stay_s=move.stay_seconds, predicted_move_s=move.move_seconds)
+        row_of = {seq: r for r, seq in enumerate(ids)}  # a cut row is its tail's position
+        plans = []
+        for move in moves:
+            rows = [row_of[s] for s in move.seq_ids]
+            part = cut.take(pa.array(rows, pa.int64()))
+            choice = self.policy.kv_path(sum(cur[r] for r in rows))
+            why = move.reason
+            if not self.kv_moves:
+                choice = replace(choice, path="recompute")
+                why += f"; backend {self.cfg.backend} keeps no KV cache: recompute"
+            plans.append((move, rows, part, choice, why))
+        self.load[worker] = WorkerProgress(0, 0, busy=False)  # its whole tail leaves
+        client, source = self.pc.client, self.pc.address_of(worker)
+        sent = None
+        if any(choice.path == "transfer" for *_, choice, _ in plans):
+            sent = client.submit(export_tail_task, key, workers=[source], pure=False,
+                                 key=f"export-{iteration}-{shard}")
+            self.exports.setdefault(worker, []).append(sent)
+        else:
+            client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
+        for j, (move, rows, part, choice, why) in enumerate(plans):
+            landing = self._move(shard, j, worker, move.target, rows, part, choice, sent,
+                                 len(ids), weights, specs, seed, iteration)
+            self.moving[landing] = {
+                "pool": "gen", "kind": "migrate", "source": worker, "target": move.target,
+                "sequences": len(rows), "context_tokens": int(sum(cur[r] for r in rows)),
+                "path": choice.path, "reason": why, "planned_kv": move.kv,
+                "predicted_stay_s": move.stay_seconds, "predicted_move_s": move.move_seconds,
+                "predicted_transfer_s": choice.transfer_s,
+                "predicted_recompute_s": choice.recompute_s, "predicted_s": choice.predicted_s}
         return sum(len(m.seq_ids) for m in moves)
+
+    def _move(self, shard: int, j: int, source: str, target: str, rows: list[int],
+              part: pa.Table, choice, sent, n_tail: int, weights, specs, seed: int,
+              iteration: int) -> str:
+        """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
+        ``rows`` on the source when the tail is split) or its prefix recomputed there, then
+        decoded to the end. Returns the key of the future that says the move landed."""
+        load, tag = self.load_of(part, part), f"{iteration}-{shard}-{j}"
+        if not self.kv_moves:  # the continuation recomputes the prefix itself
+            self._submit(shard, target, load, self.tasks.continue_task, part, weights,
+                         specs.gen, seed * 7919 + shard * 31 + j, key=f"continue-{tag}")
+            return f"continue-{tag}"
+        client, at = self.pc.client, [self.pc.address_of(target)]
+        if choice.path == "transfer":
+            tail = sent if rows == list(range(n_tail)) else client.submit(
+                take_tail_task, sent, rows, workers=[self.pc.address_of(source)], pure=False,
+                key=f"take-{tag}")
+            adopt = (adopt_tails_task, [tail], f"moved-{tag}", weights, specs.gen)
+        else:
+            adopt = (adopt_tails_task, [], f"moved-{tag}", weights, specs.gen, (), part)
+        adopted = client.submit(*adopt, workers=at, resources={"GEN": 1},
+                                allow_other_workers=False, pure=False, key=f"adopt-{tag}")
+        self.ac.add(adopted)
+        self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
+                     key=f"continue-{tag}")
+        return adopted.key
+
+    def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:
+        """A move's context is on its target: log it with its actual seconds, feed them to
+        the policy, let go of the source's export once none is in flight (then the source
+        may be released)."""
+        record = self.moving.pop(key)
+        path = record["path"]
+        actual = move_actual_s(path, facts)
+        tokens = record["context_tokens"]
+        # a continuation's own prefill reaches the throughput model with its rollouts
+        self.policy.observe_move(path, tokens, facts["bytes"], actual,
+                                 learn_prefill=key.startswith("adopt-"))
+        self.log(iteration, **record, actual_s=actual, bytes=facts["bytes"],
+                 landed_sequences=facts["sequences"])
+        source = record["source"]
+        if any(r["source"] == source and r["path"] == "transfer"
+               for r in self.moving.values()):
+            return []
+        self.exports.pop(source, None)
+        return self._release_if_idle(source, iteration) if source in self.load else []
 
     def _score(self, pieces: list[pa.Table], specs, iteration: int, shard: int):
         rollouts = pa.concat_tables([p.replace_schema_metadata(None) for p in pieces])
@@ -214,7 +307,8 @@ class ElasticGeneration:
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:
         until the busiest worker finishes, then through the update."""
-        if self.load[worker].busy or worker in {w for _, w in self.where.values()}:
+        if (self.load[worker].busy or worker in self.exports
+                or worker in {w for _, w in self.where.values()}):
             return []
         busy = [p for p in self.load.values() if p.busy]
         gap = self.policy.idle_gap_s(max((self.policy.throughput.predict_worker_seconds(

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 TRAINER_WAIT_S = 300.0  # how long a trainer may take to come back after a crash
 FORGET_WAIT_S = 30.0  # how long the scheduler may take to drop an abandoned iteration
 _ITERATION_KEY = re.compile(r"(?:dedup|shard|generate|reward|advantage|update|publish|resume|"
-                            r"continue)-(\d+)(?:-\d+)*")
+                            r"continue|export|take|adopt)-(\d+)(?:-\d+)*")
 _VERSION_FILE = re.compile(r"v(\d+)\.safetensors")
 
 
@@ -319,7 +319,7 @@ class Durable:
         weights = self._on_trainer(publish_task, {}, self.spec, version)
         sampler.position = driver.sampler_position
         state.load_state_dict({"predictor": driver.predictor, "throughput": driver.throughput,
-                               "update_seconds": driver.update_seconds})
+                               "update_seconds": driver.update_seconds, "kv": driver.kv})
         self.tables = driver.tables
         trim_run(self.run, driver.iteration, drop_eval_at)
         return driver.iteration, weights

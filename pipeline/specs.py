@@ -20,6 +20,7 @@ from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import LoadResult, read_prompts
 from rlhfless.ops.lora import LoraSpec
 from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
+from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
 from rlhfless.ops.update import UpdateParams
 
 from .config import Config, ConfigError
@@ -85,8 +86,9 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = _read_prompt_set("dataset", cfg.dataset or model_path / "train.jsonl", tokenizer, kw)
-    heldout = _read_prompt_set("heldout", cfg.heldout or model_path / "heldout.jsonl",
+    train = _read_prompt_set("dataset", cfg.dataset or task_prompts(cfg, model_path, "train"),
+                             tokenizer, kw)
+    heldout = _read_prompt_set("heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"),
                                tokenizer, kw)
     n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
     if n == 0:
@@ -104,6 +106,16 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
     return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
+
+
+def task_prompts(cfg: Config, model_path: Path, split: str) -> Path | pa.Table:
+    """The embedded task's ``split`` ("train" or "heldout") prompts: the model directory's
+    file, or with ``task = "tally-long"`` the long-tail setting's (``LongTailTallyTask``,
+    drawn with the model recipe's seed, in memory)."""
+    if cfg.model == "tiny" and cfg.task == "tally-long":
+        task = LongTailTallyTask(n_sft=0)
+        return pa.Table.from_pylist(make_splits(task, TASK_RECIPES[cfg.task].seed)[split])
+    return model_path / f"{split}.jsonl"
 
 
 def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:

@@ -30,16 +30,10 @@ import pyarrow as pa
 from distributed import wait
 
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.schedulers.tail_cost import (
-    StepProfile,
-    TransferModel,
-    choose_kv_path,
-    plan_reconfig,
-)
-from rlhfless.schedulers.throughput import ThroughputModel
+from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
 
 from .cluster import PoolCluster
-from .tail_tasks import adopt_tails_task, export_tail_task, set_threads_task
+from .tail_tasks import adopt_tails_task, export_tail_task, move_actual_s, set_threads_task
 from .workers import GenSpec, generate_chunk_task, resume_task
 
 MODES = ("static", "recompute", "kv", "reconfig")
@@ -49,10 +43,8 @@ MODES = ("static", "recompute", "kv", "reconfig")
 class TailModels:
     """What the tail decisions learn from the run (fitted online) and measured at start."""
 
-    transfer: TransferModel
-    throughput: ThroughputModel
+    kv: KvCosts  # transfer vs recompute, and what each move taught it
     profile: StepProfile | None = None
-    kv_bytes_per_token: float = 0.0
     moves: list[dict] = field(default_factory=list)
 
 
@@ -141,8 +133,7 @@ def _move_costs(cuts: dict[str, pa.Table], models: TailModels, mode: str):
         choices[n] = {}
         for src in cuts:
             if src != n:
-                k = choose_kv_path(ctx[src], int(ctx[src] * models.kv_bytes_per_token),
-                                   models.transfer, models.throughput)
+                k = models.kv.choose(ctx[src])
                 if mode == "recompute":
                     k = replace(k, path="recompute")
                 choices[n][src] = (k, ctx[src])
@@ -167,12 +158,9 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
     del sends
     for s in sources:  # one adopt carries every move: its actual time is split by path
         kind, ctx = choices[s]
-        if kind.path == "transfer":
-            actual = facts["export_s"] + facts["transfer_s"] + facts["rebuild_s"]
-            models.transfer.observe(facts["bytes"], actual)
-        else:
-            actual = facts["recompute_s"]
-            models.throughput.observe_prefill(facts["recompute_tokens"], actual)
+        actual = move_actual_s(kind.path, facts)
+        tokens = facts["context_tokens" if kind.path == "transfer" else "recompute_tokens"]
+        models.kv.observe(kind.path, tokens, facts["bytes"], actual)
         record = {"t": time.time(), "kind": "move", "source": s, "target": target,
                   "sequences": len(cuts[s]), "context_tokens": ctx, "path": kind.path,
                   "predicted_transfer_s": kind.transfer_s,

@@ -12,6 +12,12 @@ worker under a key. To continue them elsewhere *with* their KV cache:
 3. ``workers.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
    that never moved.
 
+A tail split over several targets is cut on the source first (``take_tail_task``: each
+target fetches only its part); ``adopt_tails_task`` can instead recompute cut rows' context
+on the target (``recompute``), so both paths of a move end in one paused decoding there,
+which ``resume_adopted_task`` finishes once the adoption is done. ``move_actual_s`` reads a
+move's actual seconds off the adoption's facts (what ``tail_cost.KvCosts`` learns from).
+
 Once step 2 is done the tail lives on the target alone: the driver drops the export's
 future and the source may be retired or die without loss. ``set_threads_task`` changes
 the torch threads of a worker (reconfiguration: a consolidated tail decodes wider), and
@@ -26,10 +32,10 @@ import pyarrow as pa
 import torch
 
 from rlhfless.ops.generate import GenerationStats, SamplingParams, prefill_prompts, run_decoding
-from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail
+from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail, take_tail
 from rlhfless.ops.publish import WeightsRef, require_version
 
-from .workers import _PAUSED, GenSpec, _hf_engine, _worker_name
+from .workers import _PAUSED, GenSpec, _hf_engine, _worker_name, resume_task
 
 
 def _take_paused(key: str) -> TailKV:
@@ -66,13 +72,33 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     dec, rows = import_tail(engine.model, own + list(tails))
     _PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
     exported = max((t.exported_at for t in tails), default=arrived)
-    return {"worker": _worker_name(), "sequences": len(rows),
+    return {"worker": _worker_name(), "key": key, "sequences": len(rows),
             "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
             "context_tokens": sum(t.context_tokens for t in tails),
             "transfer_s": max(0.0, arrived - exported),
             "rebuild_s": time.time() - arrived - stats.prefill_seconds,
             "recompute_s": stats.prefill_seconds, "recompute_tokens": stats.prefill_tokens,
             "cold_start_s": cold}
+
+
+def take_tail_task(tail: TailKV, positions: list[int]) -> TailKV:
+    """On the source worker (where ``tail`` was exported): the part of it one target gets."""
+    return take_tail(tail, positions)
+
+
+def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> pa.Table:
+    """On the target: finish the decoding ``adopt_tails_task`` paused here (its ``facts``,
+    which make this task wait for the adoption)."""
+    return resume_task(facts["key"], weights, spec)
+
+
+def move_actual_s(path: str, facts: dict) -> float:
+    """The actual seconds of a move's context reaching its target, from the adoption's
+    ``facts``: export, scheduling and fetch, rebuild for a transfer; the prefill for a
+    recomputation."""
+    if path == "transfer":
+        return facts["export_s"] + facts["transfer_s"] + facts["rebuild_s"]
+    return facts["recompute_s"]
 
 
 def set_threads_task(threads: int) -> int:

@@ -14,12 +14,14 @@ simulated clocks. Call order, per iteration:
    chunk at completion ``tau``; the simulator when its live batch falls to ``tail_batch``),
    ``migrate`` says which tails move and where (``plan_migration``: the tails of the fleet
    planned jointly, never later than staying; the predicted tokens still to come are
-   ``remaining``, conditioned on what each sequence has generated);
+   ``remaining``, conditioned on what each sequence has generated), and ``kv_path`` whether
+   each move ships its KV cache or recomputes its context (``KvCosts``);
 3. when a worker is idle: ``keeps_alive(idle_gap_s(...))`` says whether to keep it through
    the predicted gap until its next use, or release it now (break-even keep-alive: idling
    longer than a restart costs more than the restart);
 4. after the iteration: ``observe_lengths``, ``observe_decode`` / ``observe_prefill`` /
-   ``observe_cold_starts`` and ``observe_after_generation`` feed the models.
+   ``observe_cold_starts`` and ``observe_after_generation`` feed the models
+   (``observe_move`` as each move lands).
 
 ``state_dict`` / ``load_state_dict`` round-trip everything it learned (checkpoints).
 """
@@ -38,6 +40,7 @@ from .assignment import assign_by_length
 from .migration import Migration, WorkerProgress, plan_migration, tail_batch
 from .predictor import LengthPredictor, remaining_tokens
 from .scaling import Assign, ScalingDecision, choose_generation_workers, round_robin
+from .tail_cost import KvChoice, KvCosts, TransferModel
 from .throughput import ThroughputModel
 
 ASSIGNMENTS = ("length", "round_robin", "replay")
@@ -75,11 +78,13 @@ class ElasticPolicy:
     """Decisions and learned state of the elastic policy; see the module docstring."""
 
     def __init__(self, knobs: ElasticKnobs, throughput: ThroughputModel | None = None,
-                 kv_seconds_per_token: float | None = None) -> None:
+                 kv_seconds_per_token: float | None = None,
+                 transfer: TransferModel | None = None) -> None:
         self.knobs = knobs.knobs()
         self.predictor = LengthPredictor(alpha=knobs.ewma_alpha)
         self.throughput = throughput if throughput is not None else ThroughputModel()
         self.kv_seconds_per_token = kv_seconds_per_token  # None: a moved tail is recomputed
+        self.kv = KvCosts(self.throughput, transfer)  # a live move: transfer or recompute
         self.update_seconds = 0.0  # EWMA of the seconds after generation (0: none seen yet)
         self.planned_generation_s = 0.0  # the last plan's predicted generation seconds
         self.seen_cold_starts = 0  # cold starts already fed to the throughput model
@@ -125,12 +130,22 @@ class ElasticPolicy:
         throughput model): when its tail is worth a migration decision."""
         return tail_batch(self.throughput)
 
-    def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
+    def migrate(self, progress: Mapping[str, WorkerProgress],
+                kv_transfer: bool = False) -> list[Migration]:
         """Which paused tails move, and where (``plan_migration``: triggered by the tail,
-        not by a completion count)."""
+        not by a completion count). ``kv_transfer``: the runtime can ship KV caches, so a
+        moved token costs what the fitted transfer model says (unless
+        ``kv_seconds_per_token`` was given)."""
+        kv_s = self.kv_seconds_per_token
+        if kv_s is None and kv_transfer:
+            kv_s = self.kv.seconds_per_token()
         return plan_migration(progress, None, self.throughput,
-                              lambda_cost=self.knobs.lambda_cost,
-                              kv_seconds_per_token=self.kv_seconds_per_token)
+                              lambda_cost=self.knobs.lambda_cost, kv_seconds_per_token=kv_s)
+
+    def kv_path(self, context_tokens: int) -> KvChoice:
+        """How one move's context reaches its target: its KV cache or a recomputation,
+        whichever is predicted faster (``tail_cost.choose_kv_path``)."""
+        return self.kv.choose(context_tokens)
 
     # ---- idle workers ------------------------------------------------------------------
 
@@ -179,6 +194,11 @@ class ElasticPolicy:
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         self.throughput.observe_prefill(tokens, seconds)
 
+    def observe_move(self, path: str, context_tokens: int, nbytes: int, seconds: float,
+                     learn_prefill: bool = True) -> None:
+        """A move's actual seconds (``KvCosts.observe``)."""
+        self.kv.observe(path, context_tokens, nbytes, seconds, learn_prefill)
+
     def observe_cold_starts(self, cold_starts: Sequence[float]) -> None:
         """Every cold start of the run so far (a ledger's); the new ones are learned."""
         for seconds in cold_starts[self.seen_cold_starts:]:
@@ -190,9 +210,11 @@ class ElasticPolicy:
     def state_dict(self) -> dict[str, Any]:
         return {"predictor": self.predictor.state_dict(),
                 "throughput": self.throughput.state_dict(),
-                "update_seconds": self.update_seconds}
+                "update_seconds": self.update_seconds, "kv": self.kv.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.predictor.load_state_dict(state["predictor"])
         self.throughput.load_state_dict(state["throughput"])
         self.update_seconds = float(state["update_seconds"])
+        if state.get("kv"):  # checkpoints written before KV moves were learned have none
+            self.kv.load_state_dict(state["kv"])

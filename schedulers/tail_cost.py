@@ -6,6 +6,7 @@ Two pure decisions, both from the run's own timings:
   KV cache (``TransferModel``: ``latency + bytes / bandwidth``, least squares over the
   moves seen so far, which include Dask's scheduling and the worker-to-worker fetch) or by
   recomputation (a prefill at the rate ``ThroughputModel`` measured); the cheaper wins.
+  ``KvCosts`` holds those models for a caller and learns each move's actual time;
 - ``plan_reconfig`` (PAT on CPU): the live workers each decode their own tail with
   ``threads`` torch threads; or one worker takes every tail and decodes it with all their
   threads, the others released. ``StepProfile`` (decode step seconds by batch x threads,
@@ -62,6 +63,15 @@ class TransferModel:
         return {"latency_s": self.latency_s, "bytes_per_s": self.bytes_per_s,
                 "n_obs": len(self._obs)}
 
+    def state_dict(self) -> dict:
+        return {"latency_s": self.latency_s, "bytes_per_s": self.bytes_per_s,
+                "observations": [list(o) for o in self._obs]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.latency_s = float(state["latency_s"])
+        self.bytes_per_s = float(state["bytes_per_s"])
+        self._obs = [(float(b), float(s)) for b, s in state["observations"]][-self.window :]
+
 
 @dataclass(frozen=True)
 class KvChoice:
@@ -81,6 +91,55 @@ def choose_kv_path(context_tokens: int, kv_bytes: int, transfer: TransferModel,
     t = transfer.seconds(kv_bytes)
     r = float(throughput.prefill_seconds(context_tokens))
     return KvChoice("transfer" if t <= r else "recompute", float(t), r)
+
+
+class KvCosts:
+    """The transfer-vs-recompute decision and what it learns, for whoever moves tails (the
+    elastic loop's policy, ``pipeline/tail.py``): the ``TransferModel``, the KV bytes per
+    context token (the last transfer's, or a prior from the model's shape) and the prefill
+    rate of ``throughput`` (shared with the policy's throughput model)."""
+
+    def __init__(self, throughput: ThroughputModel, transfer: TransferModel | None = None,
+                 kv_bytes_per_token: float | None = None) -> None:
+        self.throughput = throughput
+        self.transfer = transfer if transfer is not None else TransferModel()
+        self.kv_bytes_per_token = kv_bytes_per_token  # None: unknown (no prior, no transfer)
+
+    def choose(self, context_tokens: int) -> KvChoice:
+        """``choose_kv_path`` for a move of ``context_tokens`` (bytes unknown: latency only)."""
+        nbytes = int(context_tokens * (self.kv_bytes_per_token or 0.0))
+        return choose_kv_path(context_tokens, nbytes, self.transfer, self.throughput)
+
+    def seconds_per_token(self) -> float | None:
+        """Marginal seconds to ship one context token's KV (None while the bytes are
+        unknown): what cut-and-migrate planning charges per moved token."""
+        if self.kv_bytes_per_token is None:
+            return None
+        return self.kv_bytes_per_token / self.transfer.bytes_per_s
+
+    def observe(self, path: str, context_tokens: int, nbytes: int, seconds: float,
+                learn_prefill: bool = True) -> None:
+        """A move's actual ``seconds``: a transfer fits the transfer model (and the bytes per
+        token), a recomputation the prefill rate (unless ``learn_prefill`` is False: the
+        caller feeds that prefill to the throughput model itself)."""
+        if path == "transfer":
+            self.transfer.observe(nbytes, seconds)
+            if context_tokens > 0 and nbytes > 0:
+                self.kv_bytes_per_token = nbytes / context_tokens
+        elif path == "recompute":
+            if learn_prefill and context_tokens > 0 and seconds > 0:
+                self.throughput.observe_prefill(context_tokens, seconds)
+        else:
+            raise ValueError(f"KvCosts.observe: path={path!r}; allowed: transfer, recompute")
+
+    def state_dict(self) -> dict:
+        return {"transfer": self.transfer.state_dict(),
+                "kv_bytes_per_token": self.kv_bytes_per_token}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.transfer.load_state_dict(state["transfer"])
+        kv = state.get("kv_bytes_per_token")
+        self.kv_bytes_per_token = None if kv is None else float(kv)
 
 
 class StepProfile:

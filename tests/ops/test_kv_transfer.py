@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhfless.ops.generate import SamplingParams, decode, prefill_prompts, run_decoding
-from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail
+from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail, take_tail
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.tinytask import make_prompt
 
@@ -81,6 +81,31 @@ def test_two_tails_merged_decode_as_before_under_greedy(eos64, tokenizer, shard)
     for seq, (ids, lps, _) in zip([s for _, seqs in tails for s in seqs], merged.results()):
         assert ids == expected[seq][0]
         assert torch.allclose(torch.tensor(lps), torch.tensor(expected[seq][1]), atol=1e-9)
+
+
+def test_a_tail_split_over_two_targets_decodes_as_before_under_greedy(eos64, tokenizer,
+                                                                        shard):
+    """A tail spread over several workers: each part (``take_tail``) continues alone."""
+    params = SamplingParams(max_new_tokens=40, greedy=True)
+    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
+                   tokenizer.eos_token_id, tokenizer.pad_token_id,
+                   shard.column("prefix_len").to_pylist())
+    dec = _paused(eos64, tokenizer, shard, params, until=0.25)
+    live = dec.live.tolist()
+    assert len(live) >= 2
+    rows = shard.take([i // N_SAMPLES for i in range(len(whole))])
+    tail = export_tail(dec, rows, 0.0)
+    odd, even = list(range(1, len(live), 2)), list(range(0, len(live), 2))
+    for part in (odd, even):
+        piece = take_tail(tail, part)
+        assert piece.n_sequences == len(part) and piece.nbytes < tail.nbytes
+        moved, _ = import_tail(eos64, [piece])
+        run_decoding(eos64, moved, params, tokenizer.eos_token_id)
+        for p, (ids, lps, _) in zip(part, moved.results()):
+            assert ids == whole[live[p]][0]
+            assert torch.allclose(torch.tensor(lps), torch.tensor(whole[live[p]][1]), atol=1e-9)
+    with pytest.raises(ValueError, match="take_tail"):
+        take_tail(tail, [len(live)])
 
 
 def test_import_of_nothing_is_refused(eos64):

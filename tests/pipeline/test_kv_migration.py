@@ -17,7 +17,6 @@ import pytest
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.tinymodel import TinyRecipe, build_model
 from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.tail import TailModels, run_tail
 from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
@@ -29,34 +28,10 @@ from rlhfless.pipeline.workers import (
     resume_task,
 )
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.tail_cost import StepProfile, TransferModel
+from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
 
 N_SAMPLES = 3
-
-
-@pytest.fixture(scope="module")
-def eos_model_dir(tiny_model_dir, tmp_path_factory):
-    """The embedded architecture with weights redrawn at a larger spread and the (tied) EOS
-    embedding scaled up (as ``tests/ops/conftest.py`` does), so that greedy decoding ends
-    at different lengths per prompt and a pause leaves a tail."""
-    import torch
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("eos-model")
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    recipe = TinyRecipe()
-    model = build_model(recipe, tok)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.2, generator=gen)
-        model.model.embed_tokens.weight[tok.eos_token_id] *= 2.0
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "train.jsonl").write_text((tiny_model_dir / "train.jsonl").read_text())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +140,9 @@ def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
     names = cluster.worker_names("gen")[:2]
     one = {(b, 1): 0.01 + 0.001 * b for b in (1, 8)}
     profile = StepProfile(one | {(b, 2): s / 1.9 for (b, _), s in one.items()})
-    models = TailModels(TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
-                        ThroughputModel(), profile, kv_bytes_per_token=2048)
+    models = TailModels(KvCosts(ThroughputModel(),
+                                TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
+                                kv_bytes_per_token=2048), profile)
     shards = [shard.take([0, 2, 4]), shard.take([1, 3])]
     res = run_tail(cluster, names, shards, spec, weights, mode, 0.3, models,
                    lambda n: 24.0, f"modes-{mode}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlhfless.schedulers.tail_cost import (
+    KvCosts,
     StepProfile,
     TransferModel,
     choose_kv_path,
@@ -59,3 +60,24 @@ def test_reconfiguration_stays_when_threads_do_not_pay_or_moving_costs_too_much(
 def test_profile_needs_two_batch_sizes_per_thread_count():
     with pytest.raises(ValueError, match="two batch sizes"):
         StepProfile({(1, 1): 0.01, (1, 2): 0.008})
+
+
+def test_kv_costs_learn_from_moves_and_round_trip():
+    throughput = ThroughputModel()
+    costs = KvCosts(throughput, TransferModel(prior_latency_s=0.0), kv_bytes_per_token=None)
+    assert costs.seconds_per_token() is None  # bytes unknown: planning recomputes
+    assert costs.choose(1000).path == "transfer"  # zero latency, zero bytes assumed
+    costs.observe("transfer", 1000, 4_000_000, 0.5)  # 4 kB per token, slow
+    costs.observe("transfer", 500, 2_000_000, 0.3)
+    assert costs.kv_bytes_per_token == 4000.0
+    assert costs.transfer.seconds(4_000_000) == pytest.approx(0.5)
+    costs.observe("recompute", 10_000, 0, 0.1)  # 100k tokens/s, on the shared model
+    assert throughput.prefill_tokens_per_s == pytest.approx(1e5)
+    choice = costs.choose(1000)
+    assert choice.path == "recompute" and choice.recompute_s == pytest.approx(0.01)
+    assert costs.seconds_per_token() == pytest.approx(4000 / costs.transfer.bytes_per_s)
+    fresh = KvCosts(ThroughputModel())
+    fresh.load_state_dict(costs.state_dict())
+    assert fresh.state_dict() == costs.state_dict()
+    with pytest.raises(ValueError, match="path"):
+        costs.observe("teleport", 1, 1, 1.0)
