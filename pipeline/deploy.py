@@ -146,6 +146,7 @@ class LocalDeployment(Deployment):
     host: str = "127.0.0.1"
     dashboard_address: str = "127.0.0.1:0"
     security: Security | None = None  # TLS of scheduler, workers and client (security.py)
+    start_timeout_s: float | None = 300.0  # a local worker not connected by then is an error
 
     def make_cluster(self, plugins: list) -> PoolScaling:
         return PoolLocalCluster(n_workers=0, processes=True, host=self.host,
@@ -162,6 +163,10 @@ class LocalDeployment(Deployment):
             "silence_logs": logging.WARNING,
             "env": {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV},
         }}
+
+    def describe(self, cluster: SpecCluster, names: list[str]) -> str:
+        return ("local worker processes start by spawn and import the driver's main module: "
+                "a script that starts a run must do so under `if __name__ == \"__main__\":`")
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,25 @@ def test_train_workers_make_one_batch_job_per_rank_with_its_gpu():
     assert pools["train"].size == 3  # ranks of one process group (pipeline/ranks.py)
     lines = _lines(_slurm().job_script(pools["train"], name="train-2"))
     assert "#SBATCH --gres=gpu:1" in lines and "--resources TRAIN=1" in lines[-1]
+
+
+def test_an_unguarded_driver_script_fails_in_one_line_instead_of_hanging(tmp_path):
+    """Local workers start by spawn, which re-runs a script's top level in each of them: a
+    script without a ``__main__`` guard starts a second cluster there and its workers never
+    connect. Past the start timeout that is an error naming the cause, not a hang."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from rlhfless.pipeline.cluster import Pool, PoolCluster\n"
+        "from rlhfless.pipeline.deploy import LocalDeployment\n"
+        "from rlhfless.schedulers.ledger import CostLedger\n"
+        "pools = [Pool('gen', 1, 1, {'GEN': 1}, '1GiB')]\n"
+        "PoolCluster(pools, CostLedger({'gen': 1.0}),\n"
+        "            deployment=LocalDeployment(start_timeout_s=8.0)).close()\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "did not connect within 8 s" in done.stderr
+    assert "__main__" in done.stderr
