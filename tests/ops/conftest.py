@@ -55,6 +55,26 @@ def model64(model):
     return copy.deepcopy(model).double().eval()
 
 
+def eos_prone(net: torch.nn.Module, tokenizer) -> torch.nn.Module:
+    """A copy of ``net`` that often, but not always, emits EOS (its tied EOS embedding scaled
+    up), so that rows leave the batch mid-decode and pauses leave tails."""
+    eager = copy.deepcopy(net)
+    with torch.no_grad():
+        eager.model.embed_tokens.weight[tokenizer.eos_token_id] *= 2.0
+    return eager
+
+
+@pytest.fixture(scope="session")
+def eos_model(model, tokenizer):
+    return eos_prone(model, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def eos64(model64, tokenizer):
+    """Float64 and EOS-prone."""
+    return eos_prone(model64, tokenizer)
+
+
 def prompts_from_ids(ids: list[list[int]], answers: list[str] | None = None) -> pa.Table:
     """A PROMPTS table of already tokenised prompts, ids ``p0``, ``p1``, ..."""
     return pa.Table.from_pydict(

@@ -7,8 +7,6 @@ dropping finished rows from the batch must change nothing but the cost.
 
 from __future__ import annotations
 
-import copy
-
 import pyarrow as pa
 import pytest
 import torch
@@ -34,15 +32,6 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def plan(make_prompts):
     return plan_prefixes(make_prompts(TEXTS), n_samples=2)
-
-
-@pytest.fixture(scope="module")
-def eos_model(model, tokenizer):
-    """A model that often, but not always, emits EOS: its (tied) EOS embedding scaled up."""
-    eager = copy.deepcopy(model)
-    with torch.no_grad():
-        eager.model.embed_tokens.weight[tokenizer.eos_token_id] *= 2.0
-    return eager
 
 
 def responses(table: pa.Table) -> list[list[int]]:

@@ -4,7 +4,6 @@ same behaviour log-probabilities, in float64."""
 
 from __future__ import annotations
 
-import copy
 import pickle
 
 import pyarrow as pa
@@ -19,15 +18,6 @@ from rlhfless.ops.tinytask import make_prompt
 N_SAMPLES = 3
 TEXTS = [make_prompt(["fig", "pear"]), make_prompt(["rose", "lily", "oat", "rye"]),
          "Items: oat rye\nAnswer: 1 oat", "honey"]
-
-
-@pytest.fixture(scope="module")
-def eos64(model64, tokenizer):
-    """Float64, and EOS now and then (its tied embedding scaled up), so tails form."""
-    eager = copy.deepcopy(model64)
-    with torch.no_grad():
-        eager.model.embed_tokens.weight[tokenizer.eos_token_id] *= 2.0
-    return eager
 
 
 @pytest.fixture(scope="module")
