@@ -8,7 +8,8 @@ elastic policy (length prediction, scaling, assignment, cut-and-migrate), trace 
 included. Then simulates the paper's two settings (``rlhfless simulate`` without a scenario,
 no sweeps) and reports, per setting, our speedup and GPU-second change vs ``verl-0.3`` (the
 paper's baseline) and ``verl-tuned``, the paper's mechanisms alone, the bound of any
-scheduler given the update, and the paper's figures beside them; and PAT's two settings:
+scheduler given the update, our policy at the lambda where its speed meets the paper's
+(the GPU-s change there), and the paper's figures beside them; and PAT's two settings:
 generation and step time change against the same static TP (TP 1 and 2).
 """
 
@@ -24,6 +25,13 @@ from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.sim_policy import ELASTIC
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
 from rlhfless.schedulers.workloads import GSM8K, synthetic_trace
+
+
+def _operating_point(point: dict[str, float] | None) -> dict[str, float] | None:
+    if point is None:
+        return None
+    return {"lambda_cost": round(point["lambda_cost"], 3), "speedup": round(point["speedup"], 3),
+            "gpu_s_change": round(-point["gpu_s_reduction"], 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_vs_tuned": round(ours["speedup_tuned"], 3),
             "gpu_s_change_vs_tuned": round(-ours["gpu_s_reduction_tuned"], 3),
             "oracle_share": round(ours["gpu_s_reduction"] / rows["oracle"]["gpu_s_reduction"], 3),
+            "at_paper_speed": _operating_point(rep["at_paper_speed"]),
             "baseline_tp": rep["baseline_tp"]}
     pat = {}
     for sc in pat_scenarios():

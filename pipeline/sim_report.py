@@ -38,10 +38,12 @@ def _setting(rep: dict[str, Any]) -> str:
 
 def headline_table(reports: list[dict[str, Any]]) -> str:
     """Speedup and GPU-s reduction vs verl-0.3 (ours, the paper's mechanisms alone, the
-    bound of any scheduler, the paper's), and ours vs verl-tuned."""
+    bound of any scheduler, the paper's), ours vs verl-tuned, and ours at the lambda where
+    our speed meets the paper's (``simulate.at_paper_speed``)."""
     lines = ["| setting | speedup vs verl-0.3: ours / paper's mechanisms / bound / paper | "
              "GPU-s reduction vs verl-0.3: ours / paper's mechanisms / bound / paper | "
-             "vs verl-tuned: speedup, GPU-s reduction (ours) |", "|---|---|---|---|"]
+             "vs verl-tuned: speedup, GPU-s reduction (ours) | ours at the paper's speed: "
+             "lambda, speedup, GPU-s reduction vs verl-0.3 |", "|---|---|---|---|---|"]
     for rep in reports:
         rows = {r["label"]: r for r in rep["table"]}
         ours, mech, bound = rows[OURS], rows[PAPER_ROW], rep["bound"]
@@ -52,8 +54,16 @@ def headline_table(reports: list[dict[str, Any]]) -> str:
             f"| {_setting(rep)} | {ours['speedup']:.2f}x / {mech['speedup']:.2f}x / "
             f"{bound['speedup']:.2f}x / {ps} | {_pct(-ours['gpu_s_reduction'])} / "
             f"{_pct(-mech['gpu_s_reduction'])} / {_pct(-bound['gpu_s_reduction'])} / {pr} | "
-            f"{ours['speedup_tuned']:.2f}x, {_pct(-ours['gpu_s_reduction_tuned'])} |")
+            f"{ours['speedup_tuned']:.2f}x, {_pct(-ours['gpu_s_reduction_tuned'])} | "
+            f"{_operating_point(rep.get('at_paper_speed'))} |")
     return "\n".join(lines)
+
+
+def _operating_point(point: dict[str, float] | None) -> str:
+    if not point:
+        return "-"
+    return (f"{point['lambda_cost']:.3f}, {point['speedup']:.2f}x, "
+            f"{_pct(-point['gpu_s_reduction'])}")
 
 
 def baselines_table(reports: list[dict[str, Any]]) -> str:

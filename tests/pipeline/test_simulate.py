@@ -81,3 +81,31 @@ def test_bad_scenario_is_one_clear_line(tmp_path, capsys):
     path.write_text('profile = "nope"\n')
     with pytest.raises(ScenarioError, match="unknown profile 'nope'"):
         load_scenario(path)
+
+
+def test_at_paper_speed_finds_the_cheapest_lambda_that_keeps_the_paper_speed():
+    import dataclasses
+
+    from rlhfless.pipeline.simulate import Scenario, at_paper_speed, baselines
+    from rlhfless.schedulers.profiles import get_profile
+    from rlhfless.schedulers.simulator import simulate
+    from rlhfless.schedulers.workloads import GSM8K, synthetic_trace
+
+    work = dataclasses.replace(GSM8K, dataset_prompts=128, batch_prompts=32, iterations=3)
+    sc = Scenario("t", get_profile("Qwen2.5-3B@L40S"), 4, work)
+    trace = synthetic_trace(work)
+    base = baselines(trace, sc)["verl-0.3"].summary()
+
+    def speed(lam: float) -> float:
+        run = simulate(trace, sc.profile, sc.cluster, sc.policy.replace(lambda_cost=lam))
+        return base["step_s"] / run.summary()["step_s"]
+
+    slow, fast = speed(0.0), speed(sc.policy.lambda_cost)
+    assert fast > slow
+    target = 0.5 * (slow + fast)
+    point = at_paper_speed(trace, dataclasses.replace(sc, paper={"speedup": target}), base)
+    assert point["speedup"] >= target and point["lambda_cost"] < sc.policy.lambda_cost
+    assert point["speedup"] == pytest.approx(speed(point["lambda_cost"]))
+    assert at_paper_speed(trace, dataclasses.replace(sc, paper={"speedup": fast * 1.01}), base) \
+        is None
+    assert at_paper_speed(trace, sc, base) is None  # no paper figure
