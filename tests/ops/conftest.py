@@ -1,11 +1,6 @@
 """Shared fixtures of the op tests: the embedded tiny Llama and its tokenizer, built fresh
-(no warm start, well under a second), and a PROMPTS table from texts.
-
-The model's weights are redrawn with a larger spread than the Hugging Face default: at the
-default scale every logit is nearly equal and every prompt decodes to the same repeated
-token, so a test comparing two generation paths would prove little. With the redrawn
-weights each prompt gets its own, context-dependent continuation, and EOS comes up now and
-then.
+(no warm start, well under a second) with weights redrawn so that generation paths can be
+told apart (``tests/model_support.py``), and a PROMPTS table from texts.
 """
 
 from __future__ import annotations
@@ -16,15 +11,13 @@ from collections.abc import Callable
 import pyarrow as pa
 import pytest
 import torch
+from model_support import eos_prone, redraw
 
 from rlhfless.ops.schema import PROMPTS
 from rlhfless.ops.tinymodel import TinyRecipe, build_model, build_tokenizer
 from rlhfless.ops.tinytask import DATA_SOURCE
 
 torch.set_num_threads(1)  # tiny tensors: threads cost more than they save
-
-WEIGHT_STD = 0.2
-
 
 @pytest.fixture(scope="session")
 def recipe() -> TinyRecipe:
@@ -40,28 +33,13 @@ def tokenizer(recipe):
 def model(recipe, tokenizer):
     """The float32 tiny Llama, in eval mode. Shared by the session: tests that change
     weights work on a ``copy.deepcopy`` of it."""
-    net = build_model(recipe, tokenizer)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    with torch.no_grad():
-        for param in net.parameters():
-            if param.dim() == 2:  # embeddings and projections; the norms stay at 1
-                param.normal_(0.0, WEIGHT_STD, generator=gen)
-    return net.eval()
+    return redraw(build_model(recipe, tokenizer), recipe.seed).eval()
 
 
 @pytest.fixture(scope="session")
 def model64(model):
     """The same weights in float64, for comparisons that a near-tie must not flip."""
     return copy.deepcopy(model).double().eval()
-
-
-def eos_prone(net: torch.nn.Module, tokenizer) -> torch.nn.Module:
-    """A copy of ``net`` that often, but not always, emits EOS (its tied EOS embedding scaled
-    up), so that rows leave the batch mid-decode and pauses leave tails."""
-    eager = copy.deepcopy(net)
-    with torch.no_grad():
-        eager.model.embed_tokens.weight[tokenizer.eos_token_id] *= 2.0
-    return eager
 
 
 @pytest.fixture(scope="session")
