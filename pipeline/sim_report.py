@@ -247,7 +247,9 @@ def write_report(reports: list[dict[str, Any]], out_dir: Path, plots: bool = Tru
     if pat:
         body += ("\n\n## PAT: adaptive TP in the generation tail\n\nverl-tuned at a static "
                  "TP, with and without PAT's mid-generation merges (reserved pool, so GPU-s "
-                 "follow the step time).\n\n" + pat_table(pat))
+                 "follow the step time). Merges only widen TP, so from a narrow TP PAT can at "
+                 "best approach the fastest static TP when that is the widest.\n\n"
+                 + pat_table(pat))
     if modes:
         body += ("\n\n## Training modes vs sync\n\nThe same trace and policy; async modes "
                  "on the fastest split of the GPUs into a generation pool and a learner, sync "
