@@ -32,6 +32,7 @@ sharded tensor a rank holds, for checkpoints written and read per rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,7 @@ class _HeadLogits(torch.autograd.Function):
         return grad_hidden.reshape(hidden.shape), grad_weight, None
 
 
-def rows_by_rank(weight: torch.Tensor):
+def rows_by_rank(weight: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(start, stop, rows) of a dimension-0 sharded ``weight``, one rank's rows at a time,
     each broadcast from its rank (a collective: every rank iterates it whole); a plain
     tensor is one block."""
