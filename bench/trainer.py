@@ -11,8 +11,9 @@ step (``param_grad_optimizer_bytes_per_rank``: a DTensor counts its local shard)
 peak during the update (``peak_update_bytes_per_rank``): the bytes of the distinct storages
 behind the parameters, their gradients and the optimizer state, sampled after every step
 and, with FSDP2, at every unit's post-forward (the unit gathered) and post-backward (its
-unsharded gradient complete, before the reduce-scatter; the next unit may be prefetched),
-counting the gathered parameters and unsharded gradients alive then. Activations, the
+unsharded gradient complete, before the reduce-scatter; the next unit may be prefetched)
+and at each rank's rows the untied head's backward receives (``rows_by_rank``), counting
+the gathered parameters, received rows and unsharded gradients alive then. Activations, the
 all-gather and reduce-scatter buffers and DDP's gradient buckets are not counted. For FSDP2
 also ``largest_unit_bytes``: the full parameter bytes of the largest sharded unit.
 ``lora``: bytes of a published version with adapters of rank ``--lora-rank`` on
@@ -40,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from rlhfless.ops import parallel
 from rlhfless.ops.lora import LoraSpec, add_adapters
 from rlhfless.ops.parallel import Ranks, inner, local_part, wrap_model
 from rlhfless.ops.publish import publish_weights
@@ -105,8 +107,8 @@ class PeakDuringUpdate:
                             for group in [m._get_fsdp_state()._fsdp_param_group] if group
                             for fp in group.fsdp_params]
 
-    def sample(self) -> None:
-        tensors = [t for p in self.model.parameters() for t in (p, p.grad)]
+    def sample(self, received: torch.Tensor | None = None) -> None:
+        tensors = [received] + [t for p in self.model.parameters() for t in (p, p.grad)]
         tensors += [t for s in self.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim()]
         for fp in self.fsdp_params:
@@ -124,11 +126,18 @@ class PeakDuringUpdate:
                 self.sample()
                 return _original(group, *args)
             setattr(FSDPParamGroup, name, sampled)
+
+        def sampled_rows(weight, _original=parallel.rows_by_rank):
+            for start, stop, rows in _original(weight):
+                self.sample(rows)
+                yield start, stop, rows
+        self.rows_by_rank, parallel.rows_by_rank = parallel.rows_by_rank, sampled_rows
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self.saved.items():
             setattr(FSDPParamGroup, name, original)
+        parallel.rows_by_rank = self.rows_by_rank
 
 
 def run_updates(model_dir: str, batch: pa.Table, ranked: bool, updates: int) -> dict:

@@ -6,7 +6,10 @@ The trainer pool holds N ranks; every rank holds the policy wrapped by ``wrap_mo
   output head (when they are not tied) and on the root, so parameters, gradients and AdamW
   state live sharded on dimension 0 (1/N of each per rank, as DTensors). Each unit is
   gathered for its forward and again for its backward, and resharded after each; its
-  gradient is reduce-scattered at the end of each backward (ZeRO-3);
+  gradient is reduce-scattered at the end of each backward (ZeRO-3). The untied embeddings
+  and head are not gathered for their backward: an embedding's backward reads only the ids,
+  and the head's (``RankGatheredHead``) takes its weight one rank's rows at a time, so
+  neither holds its whole weight and its whole gradient at once;
 * ``"ddp"``: ``DistributedDataParallel``: every rank holds everything; gradients all-reduced
   once per update (``sync_gradients``).
 
@@ -29,6 +32,7 @@ sharded tensor a rank holds, for checkpoints written and read per rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,13 +93,72 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+class _HeadLogits(torch.autograd.Function):
+    """``hidden @ weight.T`` whose backward does not need ``weight`` gathered: it takes the
+    rows of ``head``'s sharded weight from each rank in turn (a broadcast per rank)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, head: torch.nn.Module
+                ) -> torch.Tensor:
+        ctx.save_for_backward(hidden)  # not weight: FSDP2 frees it after the forward
+        ctx.head = head
+        return torch.nn.functional.linear(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # grad: [..., V]
+        (hidden,) = ctx.saved_tensors  # [..., H]
+        g = grad.reshape(-1, grad.shape[-1])  # [T, V]
+        grad_hidden = sum(g[:, start:stop] @ rows.to(g.dtype)
+                          for start, stop, rows in rows_by_rank(ctx.head.weight))
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # [V, H], reduce-scattered by FSDP2 after this
+            grad_weight = g.T @ hidden.reshape(-1, hidden.shape[-1]).to(g.dtype)
+        return grad_hidden.reshape(hidden.shape), grad_weight, None
+
+
+def rows_by_rank(weight: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, rows) of a dimension-0 sharded ``weight``, one rank's rows at a time,
+    each broadcast from its rank (a collective: every rank iterates it whole); a plain
+    tensor is one block."""
+    if not is_sharded(weight):
+        yield 0, weight.shape[0], weight.detach()
+        return
+    group = weight.device_mesh.get_group()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    local = weight.to_local().detach()
+    for rank in range(world):
+        start, stop = shard_rows(weight.shape[0], rank, world)
+        if start == stop:
+            continue
+        rows = local if rank == me else local.new_empty((stop - start, weight.shape[1]))
+        dist.broadcast(rows, src=dist.get_global_rank(group, rank), group=group)
+        yield start, stop, rows
+
+
+class RankGatheredHead(torch.nn.Linear):
+    """An output head (a bias-free ``nn.Linear``, sharded as its own FSDP2 unit and not
+    gathered in backward) whose backward holds at most one rank's rows of the weight and
+    then its whole gradient, never the whole weight and gradient at once."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _HeadLogits.apply(hidden, self.weight, self)
+
+
 def wrap_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     """``model`` sharded (fsdp, in place: its class becomes FSDP's subclass) or replicated
     (ddp: a wrapper whose ``.module`` is ``model``). Build the optimizer afterwards, over the
     returned module's parameters."""
     if ranks.parallel == "fsdp":
-        for unit in shard_units(model):
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        units = shard_units(model)
+        untied = head in units
+        if untied and type(head) is torch.nn.Linear and head.bias is None:
+            head.__class__ = RankGatheredHead
+        for unit in units:
             fully_shard(unit)
+        for unit in (embed, head) if untied else ():  # not gathered in backward
+            if isinstance(unit, (torch.nn.Embedding, RankGatheredHead)):
+                unit.set_unshard_in_backward(False)
         fully_shard(model)
         return model
     if ranks.parallel == "ddp":

@@ -170,12 +170,32 @@ def assert_as_one_rank(single: dict, results: list[dict]) -> None:
     assert single["metrics"]["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
-def test_two_ranks_give_one_ranks_gradients(client, tiny_model_dir, parallel):
+@pytest.fixture(scope="module")
+def untied_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with an output head of its own: its embeddings, perturbed."""
+    tied = load(tiny_model_dir)
+    config = tied.config
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tied.state_dict())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01 * torch.randn_like(model.lm_head.weight))
+    path = tmp_path_factory.mktemp("untied")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("parallel", "head"), [
+    ("fsdp", "tied"), ("fsdp", "untied"), pytest.param("ddp", "tied", marks=pytest.mark.slow)])
+def test_two_ranks_give_one_ranks_gradients(client, request, parallel, head):
+    """Untied, FSDP2 shards the embeddings and the head as units of their own, neither
+    gathered in backward (``RankGatheredHead``)."""
+    model_dir = request.getfixturevalue(f"{'tiny' if head == 'tied' else head}_model_dir")
     table = trainable()
-    single = one_update(tiny_model_dir, table, ranked=False)
+    single = one_update(model_dir, table, ranked=False)
     members = group_of(client, 2, parallel)
-    assert_as_one_rank(single, on_ranks(one_update, tiny_model_dir, table, True,
+    assert_as_one_rank(single, on_ranks(one_update, model_dir, table, True,
                                         client=client, members=members))
 
 
