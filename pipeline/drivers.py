@@ -77,7 +77,7 @@ def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iterati
     # the batch travels in the graph, not scattered: a worker's death must not lose it
     graph = iteration_graph(batch, weights, iteration, cfg.gen_workers,
                             specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
-                            seed=cfg.seed * 1_000_003 + iteration, min_prefix=cfg.min_prefix)
+                            seed=cfg.seed, min_prefix=cfg.min_prefix)
     started = time.time()
     with get_task_stream(pc.client) as stream:
         plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)
@@ -95,7 +95,7 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
     started = time.time()
     with get_task_stream(client) as stream:
         plan, trainable_futures, facts = eg.run_generation(
-            batch, weights, iteration, specs, cfg.seed * 1_000_003 + iteration)
+            batch, weights, iteration, specs, cfg.seed)
         metrics = client.submit(update_task, trainable_futures, weights, specs.train,
                                 key=f"update-{iteration}", resources={"TRAIN": 1})
         published = client.submit(publish_task, metrics, specs.train, weights.version + 1,

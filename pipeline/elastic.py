@@ -36,6 +36,7 @@ from distributed import as_completed
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.migration import WorkerProgress
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -111,9 +112,12 @@ class ElasticGeneration:
 
     def run_generation(self, batch: pa.Table, weights: WeightsRef, iteration: int, specs,
                        seed: int) -> tuple[object, list, dict]:
-        """Generate, score and compute advantages for ``batch``; returns the dedup plan, one
-        future of a trainable table per shard, and generation facts for the metrics."""
+        """Generate, score and compute advantages for ``batch`` under the run ``seed``
+        (every task draws under ``generation_seed(seed, iteration)``); returns the dedup
+        plan, one future of a trainable table per shard, and generation facts for the
+        metrics."""
         started = time.time()
+        seed = generation_seed(seed, iteration)
         plan = plan_prefixes(batch, self.cfg.n_samples, self.cfg.min_prefix)
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
@@ -133,7 +137,7 @@ class ElasticGeneration:
                 continue
             key = f"generate-{iteration}-{i}"
             self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
-                         weights, specs.gen, seed + i, self.policy.knobs.tau, key, key=key)
+                         weights, specs.gen, seed, self.policy.knobs.tau, key, key=key)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
@@ -256,7 +260,7 @@ class ElasticGeneration:
         load, tag = self.load_of(part, part), f"{iteration}-{shard}-{j}"
         if not self.kv_moves:  # the continuation recomputes the prefix itself
             self._submit(shard, target, load, self.tasks.continue_task, part, weights,
-                         specs.gen, seed * 7919 + shard * 31 + j, key=f"continue-{tag}")
+                         specs.gen, seed, key=f"continue-{tag}")
             return f"continue-{tag}"
         client, at = self.pc.client, [self.pc.address_of(target)]
         if choice.path == "transfer":

@@ -40,6 +40,7 @@ from distributed import get_task_stream
 
 from rlhfless.ops import emulated_backend as emu
 from rlhfless.ops.prefix_dedup import plan_prefixes
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -200,7 +201,8 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
     for i, (shard, worker) in enumerate(zip(shards, workers)):
         if len(shard) == 0:
             continue
-        rollouts = pc.client.submit(emu.generate_task, shard, weights, specs.gen, seed + i,
+        rollouts = pc.client.submit(emu.generate_task, shard, weights, specs.gen,
+                                    generation_seed(seed, iteration),
                                     key=f"generate-{iteration}-{i}", resources={"GEN": 1},
                                     workers=[pc.address_of(worker)], allow_other_workers=False,
                                     pure=False)
@@ -266,13 +268,13 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
         for batch in trace.batches:
             it, t0, scaled0 = batch.iteration, time.time(), pc.scaling_wall_s
             table = prompts_table(batch, cfg.seed)
-            seed = cfg.seed * 1_000_003 + it
             with get_task_stream(pc.client) as stream:
                 if elastic:
-                    _, trainables, facts = eg.run_generation(table, weights, it, specs, seed)
+                    _, trainables, facts = eg.run_generation(table, weights, it, specs,
+                                                             cfg.seed)
                 else:
                     trainables, facts = _static_generation(pc, cfg, table, weights, it, specs,
-                                                           seed), {}
+                                                           cfg.seed), {}
                 update = pc.client.submit(emu.update_task, trainables, weights, specs.train,
                                           key=f"update-{it}", resources={"TRAIN": 1})
                 published = pc.client.submit(emu.publish_task, update, weights.version + 1,

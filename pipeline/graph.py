@@ -27,6 +27,7 @@ from dask.delayed import Delayed, delayed
 
 from rlhfless.ops.prefix_dedup import PrefixPlan, plan_prefixes
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import split_balanced
 
 from .workers import (
@@ -68,9 +69,11 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   tag: str = "", target_version: int | None = None,
                   ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """dedup → shard → generate → reward for ``prompts``; returns (plan, shards, scored
-    shards). ``target_version``: the trainer version that consumes them (async mode; see
-    ``generate_task``)."""
+    shards). ``seed``: the run's; every shard generates under ``generation_seed(seed,
+    iteration)``. ``target_version``: the trainer version that consumes them (async mode;
+    see ``generate_task``)."""
     it = f"{tag}{iteration}"
+    gen_seed = generation_seed(seed, iteration)
     with dask.annotate(resources={"TRAIN": 1}):
         plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
                                       dask_key_name=f"{tag}dedup-{it}")
@@ -80,8 +83,7 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     scored = []
     with dask.annotate(resources={"GEN": 1}):
         for i, shard in enumerate(shards):
-            rollouts = delayed(generate_task)(shard, weights, gen, seed * 100_003 + i,
-                                              target_version,
+            rollouts = delayed(generate_task)(shard, weights, gen, gen_seed, target_version,
                                               dask_key_name=f"{tag}generate-{it}-{i}")
             scored.append(delayed(reward_task)(rollouts, reward,
                                                dask_key_name=f"{tag}reward-{it}-{i}"))

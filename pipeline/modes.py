@@ -238,8 +238,7 @@ class ModeRunner:
 
     def _generate(self, i: int, target: int, weights: WeightsRef) -> Job:
         batch, replayed = self._draw(i, target)
-        seed = self.cfg.seed * 1_000_003 + i
-        submitted, shards, facts = time.time(), [], {}
+        seed, submitted, shards, facts = self.cfg.seed, time.time(), [], {}
         if self.eg is not None:  # blocking: overlaps the update already submitted
             plan, trainables, facts = self.eg.run_generation(batch, weights, i, self.specs, seed)
         else:  # the batch travels in the graph: a worker's death must not lose it

@@ -41,6 +41,7 @@ from rlhfless.ops.generate import (
     prefill_prompts,
     prefix_lens_of,
     rollouts_table,
+    row_keys,
     run_decoding,
 )
 from rlhfless.ops.lora import LoraSpec, trainable_names
@@ -225,7 +226,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     tok = engine.tokenizer
     dec = prefill_prompts(engine.model, shard.column("prompt_ids").to_pylist(), spec.n_samples,
                           params, tok.pad_token_id, prefix_lens_of(shard, spec.share_prefixes),
-                          stats)
+                          stats, row_keys(seed, rows))
     run_decoding(engine.model, dec, params, tok.eos_token_id, stats, until_finished)
     out = _finished_and_cut(dec, rows, engine, start, stats, cold)
     if len(dec.live):
@@ -260,16 +261,11 @@ def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) 
     require_version(engine.version, weights.version, f"worker {_worker_name()}")
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
     stats, start = GenerationStats(), time.time()
-    partial = cut.column("partial_ids").to_pylist()
-    partial_lp = cut.column("partial_logprobs").to_pylist()
     tok = engine.tokenizer
-    dec = prefill_continuations(engine.model, cut.column("prompt_ids").to_pylist(), partial,
-                                params, tok.pad_token_id, stats)
+    dec = prefill_continuations(engine.model, cut, params, tok.pad_token_id, stats)
     run_decoding(engine.model, dec, params, tok.eos_token_id, stats)
-    results = [(p + t, plp + lp, reason)
-               for p, plp, (t, lp, reason) in zip(partial, partial_lp, dec.results())]
     rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
-    table = rollouts_table(rows, results, tok, policy_version=engine.version,
+    table = rollouts_table(rows, dec.results(), tok, policy_version=engine.version,
                            worker=_worker_name(), start=start, end=time.time())
     return _with_stats(table, stats, cold)
 
