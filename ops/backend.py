@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .backend_protocol import GenerationBackend
-from .generate import GenerationStats, SamplingParams, generate_rollouts
+from .gen_stats import GenerationStats
+from .generate import SamplingParams, generate_rollouts
 from .lora import LoraSpec, add_adapters
 from .publish import WeightsRef, load_weights
 

@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 
 import pyarrow as pa
 
-from .generate import GenerationStats, SamplingParams
+from .gen_stats import GenerationStats
+from .generate import SamplingParams
 from .publish import WeightsRef
 
 

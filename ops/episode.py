@@ -42,9 +42,9 @@ import pyarrow as pa
 import torch
 
 from .env import Environment, check_step, resolve_environment
+from .gen_stats import EpisodeStats, GenerationStats
 from .generate import (
     Decoding,
-    GenerationStats,
     SamplingParams,
     _check_context,
     _prefix_cache,
@@ -80,20 +80,6 @@ class EpisodeParams:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
-
-
-@dataclass
-class EpisodeStats:
-    episodes: int = 0
-    turns: int = 0
-    env_calls: int = 0  # construction, reset, steps and close
-    env_errors: int = 0  # episodes ended by an environment failure
-    env_seconds: float = 0.0  # summed over episodes, inside environment calls
-    env_wait_seconds: float = 0.0  # the loop waited for environments, decoding nothing
-    observation_tokens: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from .forward import forward_with_cache, layer_tensors, left_pad, positions_of
+from .gen_stats import GenerationStats
 from .schema import PROMPTS, ROLLOUTS, check_columns
 from .seeds import index_keys, sequence_keys, uniforms
 
@@ -53,19 +54,6 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class GenerationStats:
-    prefill_tokens: int = 0  # prompt tokens that went through the model
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0  # sampled tokens (sum over steps of the live batch size)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
 
 
 def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:

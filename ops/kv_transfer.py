@@ -30,13 +30,8 @@ import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
-from .generate import (
-    Decoding,
-    GenerationStats,
-    SamplingParams,
-    _prefix_cache,
-    prefill_continuations,
-)
+from .gen_stats import GenerationStats
+from .generate import Decoding, SamplingParams, _prefix_cache, prefill_continuations
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
 

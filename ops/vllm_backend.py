@@ -35,7 +35,8 @@ import pyarrow as pa
 from safetensors.torch import load_file
 
 from .backend_protocol import GenerationBackend
-from .generate import GenerationStats, SamplingParams, expand_samples, rollouts_table
+from .gen_stats import GenerationStats
+from .generate import SamplingParams, expand_samples, rollouts_table
 from .publish import WeightsRef
 from .schema import PROMPTS, check_columns
 from .seeds import prompt_seeds

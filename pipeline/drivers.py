@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 from distributed import get_task_stream
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -52,8 +53,7 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
                               tag="eval-")
-    tables = pc.client.compute(scored, optimize_graph=False, sync=True)
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    table = Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
             "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),
@@ -102,8 +102,7 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
                                    key=f"publish-{iteration}", resources={"TRAIN": 1})
         trainables, update, new_weights = client.gather(
             [trainable_futures, metrics, published])
-    eg.after_update(update["update_seconds"], [t.schema.metadata and {
-        k.decode(): float(v) for k, v in t.schema.metadata.items()} or {} for t in trainables])
+    eg.after_update(update["update_seconds"], [t.stats for t in trainables])
     record, table = on_policy_record(iteration, weights, started, plan, trainables, update,
                                      stream.data)
     return record | facts, table, new_weights

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 from distributed import as_completed
 
+from rlhfless.ops.gen_stats import Generated, GenerationStats
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
@@ -43,7 +44,6 @@ from rlhfless.schedulers.policy import ElasticPolicy
 
 from .cluster import PoolCluster
 from .config import Config
-from .metrics import generation_metrics
 from .runs import RunDir
 from .tail_tasks import (
     adopt_tails_task,
@@ -131,7 +131,7 @@ class ElasticGeneration:
         if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
             self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
-        pieces: dict[int, list[pa.Table]] = {}
+        pieces: dict[int, list[Generated]] = {}
         for i, (shard, worker) in enumerate(zip(shards, workers)):
             if len(shard) == 0:
                 continue
@@ -149,10 +149,9 @@ class ElasticGeneration:
             self.load[worker] = WorkerProgress(0, 0, busy=False)
             out = fut.result()
             if fut.key in self.moving:  # a recomputed continuation: its prefill is the move's
-                meta = out.schema.metadata or {}
                 released += self._landed(fut.key, {
-                    "recompute_s": float(meta.get(b"prefill_seconds", 0.0)),
-                    "recompute_tokens": int(meta.get(b"prefill_tokens", 0)), "bytes": 0,
+                    "recompute_s": out.stats.prefill_seconds,
+                    "recompute_tokens": out.stats.prefill_tokens, "bytes": 0,
                     "sequences": len(out)}, iteration)
             if isinstance(out, dict):  # a chunk: finished rows, and maybe a paused tail
                 pieces[i].append(out["done"])
@@ -297,12 +296,10 @@ class ElasticGeneration:
         self.exports.pop(source, None)
         return self._release_if_idle(source, iteration) if source in self.load else []
 
-    def _score(self, pieces: list[pa.Table], specs, iteration: int, shard: int):
-        rollouts = pa.concat_tables([p.replace_schema_metadata(None) for p in pieces])
-        stats = {k: str(v) for k, v in generation_metrics(pieces).items()}
+    def _score(self, pieces: list[Generated], specs, iteration: int, shard: int):
         client = self.pc.client
         # on the trainer, so that generation workers are free to be released
-        scored = client.submit(reward_task, rollouts.replace_schema_metadata(stats),
+        scored = client.submit(reward_task, Generated.concat(pieces),
                                specs.reward, key=f"reward-{iteration}-{shard}",
                                resources={"TRAIN": 1})
         return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
@@ -327,14 +324,15 @@ class ElasticGeneration:
                             f"{self.policy.keep_alive_s():.2f} s")
         return retired
 
-    def after_update(self, update_seconds: float, pieces_meta: list[dict]) -> None:
-        """Feed the policy with what this iteration measured."""
+    def after_update(self, update_seconds: float, shards: list[GenerationStats]) -> None:
+        """Feed the policy with what this iteration measured (``shards``: each shard's
+        generation statistics)."""
         self.policy.observe_after_generation(update_seconds)
-        for meta in pieces_meta:
-            steps = meta.get("decode_steps", 0)
+        for stats in shards:
+            steps = stats.decode_steps
             if steps:
-                self.policy.observe_decode(meta["decode_tokens"] / steps,
-                                           meta["decode_seconds"] / steps, n_steps=int(steps))
-            if meta.get("prefill_tokens") and meta.get("prefill_seconds"):
-                self.policy.observe_prefill(meta["prefill_tokens"], meta["prefill_seconds"])
+                self.policy.observe_decode(stats.decode_tokens / steps,
+                                           stats.decode_seconds / steps, n_steps=steps)
+            if stats.prefill_tokens and stats.prefill_seconds:
+                self.policy.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
         self.policy.observe_cold_starts(self.pc.ledger.cold_starts("gen"))

@@ -39,6 +39,7 @@ import pyarrow as pa
 from distributed import get_task_stream
 
 from rlhfless.ops import emulated_backend as emu
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
@@ -282,20 +283,17 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
                 tables, metrics, weights = pc.client.gather([trainables, update, published])
             t1 = time.time()
             if elastic:
-                eg.after_update(metrics["update_seconds"], [
-                    {k.decode(): float(v) for k, v in (t.schema.metadata or {}).items()}
-                    for t in tables])
-            rows = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+                eg.after_update(metrics["update_seconds"], [t.stats for t in tables])
+            rows = Generated.concat(tables).table
             ids = rows.column("prompt_id").to_pylist()
             state.predictor.observe(ids, [len(r) for r in rows.column("response_ids")
                                           .to_pylist()])
             pc.sync_events()
             ledger.mark("iteration", it, t0, t1)
             overhead = _uncovered(stream.data, t0, t1)
-            path = max(float(t.schema.metadata[b"gen_seconds"]) for t in tables) \
-                + metrics["update_seconds"]
-            late = max((float(t.schema.metadata.get(b"late_wall_s", 0)) for t in tables),
-                       default=0.0) + metrics["late_wall_s"]
+            path = max(t.stats.gen_seconds for t in tables) + metrics["update_seconds"]
+            late = max((t.stats.late_wall_s for t in tables), default=0.0) \
+                + metrics["late_wall_s"]
             memory = worker_memory()
             if memory["rss_gib"] > peak["rss_gib"]:
                 peak = memory

@@ -52,7 +52,7 @@ STAGE_COLOURS = {
 @dataclass(frozen=True)
 class IterationGraph:
     plan: Delayed  # PrefixPlan
-    trainables: list[Delayed]  # one table per shard
+    trainables: list[Delayed]  # one Generated (trainable table + statistics) per shard
     metrics: Delayed  # dict from the update
     weights: Delayed  # WeightsRef of the new version
 

@@ -15,6 +15,7 @@ import pyarrow as pa
 from dask.utils import key_split
 
 from rlhfless.ops.advantage import advantage_summary
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.reward import reward_error_counts, reward_summary
 
 
@@ -42,23 +43,14 @@ def rollout_metrics(scored: pa.Table) -> dict:
     return out
 
 
-def generation_metrics(tables: list[pa.Table]) -> dict:
-    """Sums of the statistics each generate task left in its table's schema metadata."""
-    totals: dict[str, float] = defaultdict(float)
-    for table in tables:
-        for key, value in (table.schema.metadata or {}).items():
-            totals[key.decode()] += float(value)
-    return dict(totals)
-
-
 def iteration_record(iteration: int, version: int, started: float, plan,
-                     trainables: list[pa.Table], update: dict,
+                     trainables: list[Generated], update: dict,
                      stream: list[dict]) -> tuple[dict, pa.Table]:
     """The metrics record of one iteration that trained policy ``version`` on the shards
-    ``trainables`` (prefill savings from the dedup ``plan``, stage seconds from the task
-    ``stream``), and the shards as one table."""
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
-    gen = generation_metrics(trainables)
+    ``trainables`` (their generation statistics summed, prefill savings from the dedup
+    ``plan``, stage seconds from the task ``stream``), and the shards as one table."""
+    whole = Generated.concat(trainables)
+    table, gen = whole.table, whole.stats.to_dict()
     record = {
         "iteration": iteration, "policy_version": version, "time": time.time(),
         "iteration_s": time.time() - started, "samples": len(table),

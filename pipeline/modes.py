@@ -77,6 +77,7 @@ import numpy as np
 import pyarrow as pa
 from distributed import Future, wait
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.offpolicy import check_staleness
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.replay import ReplayBuffer
@@ -85,7 +86,7 @@ from rlhfless.schedulers.replay_share import ReplayShare
 
 from .config import Config
 from .graph import trainable_graph
-from .metrics import generation_metrics, iteration_record
+from .metrics import iteration_record
 from .workers import publish_task, update_task
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ class ModeRunner:
             raise RuntimeError(f"iteration {job.iteration}: batch generated for trainer "
                                f"v{job.target}, but the trainer is at v{weights.version}")
         client = self.pc.client
-        extra = [pa.concat_tables(job.replayed)] if job.replayed else []
+        extra = [Generated(pa.concat_tables(job.replayed))] if job.replayed else []
         job.update = client.submit(update_task, [*job.trainables, *extra], weights,
                                    self.specs.train, key=f"update-{job.iteration}",
                                    resources={"TRAIN": 1})
@@ -312,7 +313,7 @@ class ModeRunner:
                    **job.facts}
         if self.eg is not None:
             self.eg.after_update(update["update_seconds"],
-                                 [generation_metrics([t]) for t in trainables])
+                                 [t.stats for t in trainables])
         if self.buffer is not None:
             record |= replay_diagnostics(fresh, job.replayed, weights.version)
             record["replay_share"] = len(job.replayed) / (job.prompts + len(job.replayed))

@@ -31,7 +31,8 @@ import time
 import pyarrow as pa
 import torch
 
-from rlhfless.ops.generate import GenerationStats, SamplingParams, prefill_prompts, run_decoding
+from rlhfless.ops.gen_stats import Generated, GenerationStats
+from rlhfless.ops.generate import SamplingParams, prefill_prompts, run_decoding
 from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail, take_tail
 from rlhfless.ops.publish import WeightsRef, require_version
 
@@ -86,7 +87,7 @@ def take_tail_task(tail: TailKV, positions: list[int]) -> TailKV:
     return take_tail(tail, positions)
 
 
-def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> pa.Table:
+def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Generated:
     """On the target: finish the decoding ``adopt_tails_task`` paused here (its ``facts``,
     which make this task wait for the adoption)."""
     return resume_task(facts["key"], weights, spec)

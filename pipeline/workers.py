@@ -32,9 +32,9 @@ from rlhfless.ops.advantage import compute_advantages
 from rlhfless.ops.backend import GenerationBackend, HFBackend, make_backend
 from rlhfless.ops.episode import EpisodeParams, run_episodes, score_episodes
 from rlhfless.ops.forward import enable_checkpointing
+from rlhfless.ops.gen_stats import Generated, GenerationStats
 from rlhfless.ops.generate import (
     Decoding,
-    GenerationStats,
     SamplingParams,
     expand_samples,
     prefill_continuations,
@@ -152,8 +152,8 @@ def _hf_engine(spec: EngineSpec, weights: WeightsRef) -> tuple[HFBackend, float]
 
 
 def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int,
-                  target_version: int | None = None) -> pa.Table:
-    """Rollouts of one shard; run statistics travel in the table's schema metadata.
+                  target_version: int | None = None) -> Generated:
+    """Rollouts of one shard, beside the statistics of their generation.
     ``target_version``: the trainer version that will consume them (default: ``weights``'),
     which ``weights`` may lag by up to ``spec.max_staleness`` versions."""
     engine, cold = _generation_engine(spec.engine, weights)
@@ -165,20 +165,18 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
     table, stats = engine.generate(shard, spec.n_samples, params, worker=_worker_name(),
                                    share_prefixes=spec.share_prefixes)
     engine.sleep()  # colocated engines free the device for the trainer
-    return _with_stats(table, stats, cold)
+    return _generated(table, stats, cold)
 
 
-def _with_stats(table: pa.Table, stats: GenerationStats, cold: float,
-                extra: dict | None = None) -> pa.Table:
-    meta = {"prefill_tokens": stats.prefill_tokens, "prefill_seconds": stats.prefill_seconds,
-            "decode_tokens": stats.decode_tokens, "decode_steps": stats.decode_steps,
-            "decode_seconds": stats.decode_seconds, "gen_seconds": stats.seconds,
-            "cold_start_s": cold, **(extra or {})}
-    return table.replace_schema_metadata({k: str(v) for k, v in meta.items()})
+def _generated(table: pa.Table, stats: GenerationStats, cold: float) -> Generated:
+    """``table`` beside ``stats``, with the cold start paid and the generation seconds."""
+    stats.cold_start_s = cold
+    stats.gen_seconds = stats.prefill_seconds + stats.decode_seconds
+    return Generated(table, stats)
 
 
 def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
-              params: SamplingParams, cold: float) -> pa.Table:
+              params: SamplingParams, cold: float) -> Generated:
     """Multi-turn rollouts of a shard (``ops/episode.py``); generation seconds and
     environment seconds are reported apart (``gen_seconds``, ``env_seconds``)."""
     if not isinstance(engine, HFBackend):
@@ -187,7 +185,8 @@ def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
     table, episodes = run_episodes(engine.model, engine.tokenizer, shard, spec.n_samples,
                                    params, spec.episodes, policy_version=engine.version,
                                    worker=_worker_name(), stats=stats)
-    return _with_stats(table, stats, cold, episodes.as_dict())
+    stats.episodes = episodes
+    return _generated(table, stats, cold)
 
 
 # ---- chunked generation (elastic policy): cut at tau, then resume here or migrate ----
@@ -208,7 +207,7 @@ def _finished_and_cut(dec: Decoding, rows: pa.Table, engine: Engine, start: floa
                                                     pa.list_(pa.int32())))
     cut = cut.append_column("partial_logprobs", pa.array([results[i][1] for i in unfinished],
                                                          pa.list_(pa.float32())))
-    return {"done": _with_stats(table, stats, cold), "cut": cut}
+    return {"done": _generated(table, stats, cold), "cut": cut}
 
 
 def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int,
@@ -234,7 +233,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     return out
 
 
-def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> pa.Table:
+def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> Generated:
     """Finish the paused decoding ``key`` here, with its KV cache (the *stay* side)."""
     dec, rows, start = _PAUSED.pop(key)
     engine, _ = _hf_engine(spec.engine, weights)
@@ -246,7 +245,7 @@ def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> pa.Table:
     table = rollouts_table(rows.take(pa.array(tail, pa.int64())), [results[i] for i in tail],
                            engine.tokenizer, policy_version=engine.version,
                            worker=_worker_name(), start=start, end=time.time())
-    return _with_stats(table, stats, 0.0)
+    return _generated(table, stats, 0.0)
 
 
 def drop_task(key: str) -> bool:
@@ -254,7 +253,7 @@ def drop_task(key: str) -> bool:
     return _PAUSED.pop(key, None) is not None
 
 
-def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> pa.Table:
+def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> Generated:
     """Continue sequences cut on another worker, recomputing their prefix (the *move*
     side of cut-and-migrate)."""
     engine, cold = _hf_engine(spec.engine, weights)
@@ -267,7 +266,7 @@ def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) 
     rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
     table = rollouts_table(rows, dec.results(), tok, policy_version=engine.version,
                            worker=_worker_name(), start=start, end=time.time())
-    return _with_stats(table, stats, cold)
+    return _generated(table, stats, cold)
 
 
 def resolve_reward(name: str):
@@ -280,20 +279,23 @@ def resolve_reward(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def reward_task(rollouts: pa.Table, spec: RewardSpec) -> pa.Table:
-    if "env_reward" in rollouts.column_names:  # episodes: their environment scored them
-        return score_episodes(rollouts).replace_schema_metadata(rollouts.schema.metadata)
+def reward_task(rollouts: Generated, spec: RewardSpec) -> Generated:
+    """The rollouts scored (``reward``, ``reward_error``), beside the same statistics."""
+    table = rollouts.table
+    if "env_reward" in table.column_names:  # episodes: their environment scored them
+        return rollouts.with_table(score_episodes(table))
     fns = {source: resolve_reward(name) for source, name in spec.rewards.items()}
-    scored = score(rollouts, fns, default=spec.default, timeout_s=spec.timeout_s,
-                   fallback=spec.fallback)
-    return scored.replace_schema_metadata(rollouts.schema.metadata)
+    return rollouts.with_table(score(table, fns, default=spec.default, timeout_s=spec.timeout_s,
+                                     fallback=spec.fallback))
 
 
-def advantage_task(scored: pa.Table, algorithm: str, n_samples: int) -> pa.Table:
-    if len(scored) == 0:
-        return scored.append_column(TRAINABLE.field("advantage"), pa.array([], pa.float32()))
-    trainable = compute_advantages(scored, algorithm, n_samples=n_samples)
-    return trainable.replace_schema_metadata(scored.schema.metadata)
+def advantage_task(scored: Generated, algorithm: str, n_samples: int) -> Generated:
+    """The scored rows with their ``advantage``, beside the same statistics."""
+    table = scored.table
+    if len(table) == 0:
+        return scored.with_table(table.append_column(TRAINABLE.field("advantage"),
+                                                     pa.array([], pa.float32())))
+    return scored.with_table(compute_advantages(table, algorithm, n_samples=n_samples))
 
 
 def _ranks(spec: TrainSpec) -> Ranks | None:
@@ -341,17 +343,17 @@ def _each_rank(fn, *args) -> list:
     return on_ranks(fn, *args) if spec.world > 1 else [fn(*args)]
 
 
-def update_task(trainables: list[pa.Table], weights: WeightsRef, spec: TrainSpec) -> dict:
+def update_task(trainables: list[Generated], weights: WeightsRef, spec: TrainSpec) -> dict:
     """One policy update on the concatenated shards; returns the metrics. Every row must
     come from a version at most ``spec.max_staleness`` behind the trainer's."""
     return _each_rank(_update_rank, trainables, weights, spec)[0]
 
 
-def _update_rank(trainables: list[pa.Table], weights: WeightsRef, spec: TrainSpec) -> dict:
+def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSpec) -> dict:
     state = _trainer(spec)
     engine: Engine = state["engine"]
     require_version(engine.version, weights.version, "trainer")
-    batch = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
+    batch = pa.concat_tables([t.table for t in trainables])
     check_staleness(batch, engine.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
     device = next(engine.model.parameters()).device

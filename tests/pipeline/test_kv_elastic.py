@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
@@ -102,8 +103,8 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
         eg = ElasticGeneration(pc, cfg, run, policy)
         _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
         tables = c.gather(trainables)
-    got = _pairs(pa.concat_tables([t.replace_schema_metadata(None) for t in tables]))
-    reference = _pairs(whole["done"].replace_schema_metadata(None))
+    got = _pairs(Generated.concat(tables).table)
+    reference = _pairs(whole["done"].table)
     assert got.keys() == reference.keys() and len(got) == len(batch) * N_SAMPLES
     for pair, (ids, lps) in reference.items():
         assert got[pair][0] == ids, pair  # token for token

@@ -9,6 +9,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.schema import SCORED, TRAINABLE
 from rlhfless.ops.update import UpdateParams
@@ -184,8 +185,8 @@ def test_mode_knobs_are_checked(values, words):
 def test_an_empty_shard_concatenates_with_full_ones():
     """Replay shrinks the fresh batch, so a shard can be empty; its trainable table must
     have the schema of a full one, or the update cannot concatenate them."""
-    empty = SCORED.empty_table()
-    assert advantage_task(empty, "grpo", 2).schema.field("advantage") == TRAINABLE.field(
+    empty = Generated(SCORED.empty_table())
+    assert advantage_task(empty, "grpo", 2).table.schema.field("advantage") == TRAINABLE.field(
         "advantage")
 
 
