@@ -1,6 +1,6 @@
 """The generation backends: the transformers one, and ``make_backend`` to pick one.
 
-A generation worker holds one backend in worker-local state (``pipeline/workers.py``) and
+A generation worker holds one backend in worker-local state (``pipeline/rollout_tasks.py``) and
 drives it in this order:
 
     backend = make_backend("hf" | "vllm", model_path, ...)

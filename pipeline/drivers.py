@@ -31,7 +31,7 @@ from .modes import ModeRunner
 from .runs import RunDir
 from .sampler import PromptSampler
 from .specs import Specs
-from .workers import publish_task, update_task
+from .trainer_tasks import publish_task, update_task
 
 
 def run_step(cfg: Config, runner: ModeRunner | None, eg: ElasticGeneration,

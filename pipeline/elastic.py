@@ -45,6 +45,7 @@ from rlhfless.schedulers.policy import ElasticPolicy
 from .cluster import PoolCluster
 from .config import Config
 from .runs import RunDir
+from .scoring_tasks import advantage_task, reward_task
 from .tail_tasks import (
     adopt_tails_task,
     export_tail_task,
@@ -52,7 +53,6 @@ from .tail_tasks import (
     resume_adopted_task,
     take_tail_task,
 )
-from .workers import advantage_task, reward_task
 
 
 def generation_tasks(backend: str):
@@ -62,9 +62,9 @@ def generation_tasks(backend: str):
         from rlhfless.ops import emulated_backend
 
         return emulated_backend
-    from . import workers
+    from . import rollout_tasks
 
-    return workers
+    return rollout_tasks
 
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:

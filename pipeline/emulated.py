@@ -55,7 +55,7 @@ from .config import Config
 from .deploy import LocalDeployment
 from .elastic import ElasticGeneration
 from .runs import RunDir
-from .workers import RewardSpec, advantage_task, reward_task
+from .scoring_tasks import RewardSpec, advantage_task, reward_task
 
 EMULATED_TASKS = ("generate", "resume", "continue", "update")  # key prefixes of emulated work
 

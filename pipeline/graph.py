@@ -30,16 +30,9 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import split_balanced
 
-from .workers import (
-    GenSpec,
-    RewardSpec,
-    TrainSpec,
-    advantage_task,
-    generate_task,
-    publish_task,
-    reward_task,
-    update_task,
-)
+from .rollout_tasks import GenSpec, generate_task
+from .scoring_tasks import RewardSpec, advantage_task, reward_task
+from .trainer_tasks import TrainSpec, publish_task, update_task
 
 STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
 # one colour per stage, shared by the rendered graph and the report's plots

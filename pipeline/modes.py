@@ -87,7 +87,7 @@ from rlhfless.schedulers.replay_share import ReplayShare
 from .config import Config
 from .graph import trainable_graph
 from .metrics import iteration_record
-from .workers import publish_task, update_task
+from .trainer_tasks import publish_task, update_task
 
 if TYPE_CHECKING:
     from .cluster import PoolCluster

@@ -49,7 +49,7 @@ from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config
 from .ranks import form_group, on_ranks
 from .runs import RunDir
-from .workers import (
+from .trainer_tasks import (
     TrainSpec,
     leave_trainer_task,
     publish_task,

@@ -34,8 +34,8 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
 
 from .cluster import PoolCluster
+from .rollout_tasks import GenSpec, generate_chunk_task, resume_task
 from .tail_tasks import adopt_tails_task, export_tail_task, move_actual_s, set_threads_task
-from .workers import GenSpec, generate_chunk_task, resume_task
 
 MODES = ("static", "recompute", "kv", "reconfig")
 

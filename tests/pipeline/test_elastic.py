@@ -14,9 +14,9 @@ from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.pipeline.cluster import ADAPT_INTERVAL_S, Pool, PoolCluster
 from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.loop import train
-from rlhfless.pipeline.workers import (
-    EngineSpec,
+from rlhfless.pipeline.rollout_tasks import (
     GenSpec,
     continue_task,
     drop_task,

@@ -34,9 +34,9 @@ from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.elastic import ElasticGeneration
 from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.rollout_tasks import generate_chunk_task, hf_engine
 from rlhfless.pipeline.runs import RunDir
 from rlhfless.pipeline.specs import make_specs
-from rlhfless.pipeline.workers import _hf_engine, generate_chunk_task
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.migration import Migration
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -60,7 +60,7 @@ class MovingPolicy(ElasticPolicy):
 
 
 def _float64_engine(spec, weights) -> str:
-    engine, _ = _hf_engine(spec.engine, weights)
+    engine, _ = hf_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 

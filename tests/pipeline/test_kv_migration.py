@@ -18,15 +18,10 @@ from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.engines import EngineSpec
+from rlhfless.pipeline.rollout_tasks import GenSpec, generate_chunk_task, hf_engine, resume_task
 from rlhfless.pipeline.tail import TailModels, run_tail
 from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
-from rlhfless.pipeline.workers import (
-    EngineSpec,
-    GenSpec,
-    _hf_engine,
-    generate_chunk_task,
-    resume_task,
-)
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -43,7 +38,7 @@ def cluster():
 
 def _float64_engine(spec: GenSpec, weights: WeightsRef) -> str:
     """Load this worker's engine in float64: no near-tie can flip a token."""
-    engine, _ = _hf_engine(spec.engine, weights)
+    engine, _ = hf_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 

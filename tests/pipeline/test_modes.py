@@ -14,16 +14,13 @@ from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.schema import SCORED, TRAINABLE
 from rlhfless.ops.update import UpdateParams
 from rlhfless.pipeline.config import Config, ConfigError
+from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.loop import train
 from rlhfless.pipeline.modes import _iteration_of, mode_specs
+from rlhfless.pipeline.rollout_tasks import GenSpec
+from rlhfless.pipeline.scoring_tasks import RewardSpec, advantage_task
 from rlhfless.pipeline.specs import Specs
-from rlhfless.pipeline.workers import (
-    EngineSpec,
-    GenSpec,
-    RewardSpec,
-    TrainSpec,
-    advantage_task,
-)
+from rlhfless.pipeline.trainer_tasks import TrainSpec
 
 PARITY = {"tally": "parity_reward:parity"}  # informative groups, for replay to replay
 
