@@ -31,6 +31,7 @@ from .modes import ModeRunner
 from .runs import RunDir
 from .sampler import PromptSampler
 from .specs import Specs
+from .task_keys import task_key
 from .trainer_tasks import publish_task, update_task
 
 
@@ -52,7 +53,7 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval-")
+                              tag="eval")
     table = Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
@@ -97,9 +98,9 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
         plan, trainable_futures, facts = eg.run_generation(
             batch, weights, iteration, specs, cfg.seed)
         metrics = client.submit(update_task, trainable_futures, weights, specs.train,
-                                key=f"update-{iteration}", resources={"TRAIN": 1})
+                                key=task_key("update", iteration), resources={"TRAIN": 1})
         published = client.submit(publish_task, metrics, specs.train, weights.version + 1,
-                                   key=f"publish-{iteration}", resources={"TRAIN": 1})
+                                   key=task_key("publish", iteration), resources={"TRAIN": 1})
         trainables, update, new_weights = client.gather(
             [trainable_futures, metrics, published])
     eg.after_update(update["update_seconds"], [t.stats for t in trainables])

@@ -53,6 +53,7 @@ from .tail_tasks import (
     resume_adopted_task,
     take_tail_task,
 )
+from .task_keys import stage_of, task_key
 
 
 def generation_tasks(backend: str):
@@ -135,7 +136,7 @@ class ElasticGeneration:
         for i, (shard, worker) in enumerate(zip(shards, workers)):
             if len(shard) == 0:
                 continue
-            key = f"generate-{iteration}-{i}"
+            key = task_key("generate", iteration, i)
             self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
                          weights, specs.gen, seed, self.policy.knobs.tau, key, key=key)
             pieces[i] = []
@@ -216,7 +217,7 @@ class ElasticGeneration:
                  if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
-                         weights, specs.gen, key=f"resume-{iteration}-{shard}")
+                         weights, specs.gen, key=task_key("resume", iteration, shard))
             return 0
         row_of = {seq: r for r, seq in enumerate(ids)}  # a cut row is its tail's position
         plans = []
@@ -234,7 +235,7 @@ class ElasticGeneration:
         sent = None
         if any(choice.path == "transfer" for *_, choice, _ in plans):
             sent = client.submit(export_tail_task, key, workers=[source], pure=False,
-                                 key=f"export-{iteration}-{shard}")
+                                 key=task_key("export", iteration, shard))
             self.exports.setdefault(worker, []).append(sent)
         else:
             client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
@@ -256,24 +257,26 @@ class ElasticGeneration:
         """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
         ``rows`` on the source when the tail is split) or its prefix recomputed there, then
         decoded to the end. Returns the key of the future that says the move landed."""
-        load, tag = self.load_of(part, part), f"{iteration}-{shard}-{j}"
+        load, landing = self.load_of(part, part), task_key("continue", iteration, shard, j)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
             self._submit(shard, target, load, self.tasks.continue_task, part, weights,
-                         specs.gen, seed, key=f"continue-{tag}")
-            return f"continue-{tag}"
+                         specs.gen, seed, key=landing)
+            return landing
         client, at = self.pc.client, [self.pc.address_of(target)]
+        paused = task_key("moved", iteration, shard, j)  # the tail's name on the target
         if choice.path == "transfer":
             tail = sent if rows == list(range(n_tail)) else client.submit(
                 take_tail_task, sent, rows, workers=[self.pc.address_of(source)], pure=False,
-                key=f"take-{tag}")
-            adopt = (adopt_tails_task, [tail], f"moved-{tag}", weights, specs.gen)
+                key=task_key("take", iteration, shard, j))
+            adopt = (adopt_tails_task, [tail], paused, weights, specs.gen)
         else:
-            adopt = (adopt_tails_task, [], f"moved-{tag}", weights, specs.gen, (), part)
+            adopt = (adopt_tails_task, [], paused, weights, specs.gen, (), part)
         adopted = client.submit(*adopt, workers=at, resources={"GEN": 1},
-                                allow_other_workers=False, pure=False, key=f"adopt-{tag}")
+                                allow_other_workers=False, pure=False,
+                                key=task_key("adopt", iteration, shard, j))
         self.ac.add(adopted)
         self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
-                     key=f"continue-{tag}")
+                     key=landing)
         return adopted.key
 
     def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:
@@ -286,7 +289,7 @@ class ElasticGeneration:
         tokens = record["context_tokens"]
         # a continuation's own prefill reaches the throughput model with its rollouts
         self.policy.observe_move(path, tokens, facts["bytes"], actual,
-                                 learn_prefill=key.startswith("adopt-"))
+                                 learn_prefill=stage_of(key) == "adopt")
         self.log(iteration, **record, actual_s=actual, bytes=facts["bytes"],
                  landed_sequences=facts["sequences"])
         source = record["source"]
@@ -300,10 +303,11 @@ class ElasticGeneration:
         client = self.pc.client
         # on the trainer, so that generation workers are free to be released
         scored = client.submit(reward_task, Generated.concat(pieces),
-                               specs.reward, key=f"reward-{iteration}-{shard}",
+                               specs.reward, key=task_key("reward", iteration, shard),
                                resources={"TRAIN": 1})
         return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
-                             key=f"advantage-{iteration}-{shard}", resources={"TRAIN": 1})
+                             key=task_key("advantage", iteration, shard),
+                             resources={"TRAIN": 1})
 
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:

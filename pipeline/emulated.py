@@ -56,8 +56,9 @@ from .deploy import LocalDeployment
 from .elastic import ElasticGeneration
 from .runs import RunDir
 from .scoring_tasks import RewardSpec, advantage_task, reward_task
+from .task_keys import stage_of, task_key
 
-EMULATED_TASKS = ("generate", "resume", "continue", "update")  # key prefixes of emulated work
+EMULATED_TASKS = ("generate", "resume", "continue", "update")  # stages of emulated work
 
 
 class EmulatedClockLedger(CostLedger):
@@ -204,20 +205,21 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
             continue
         rollouts = pc.client.submit(emu.generate_task, shard, weights, specs.gen,
                                     generation_seed(seed, iteration),
-                                    key=f"generate-{iteration}-{i}", resources={"GEN": 1},
+                                    key=task_key("generate", iteration, i), resources={"GEN": 1},
                                     workers=[pc.address_of(worker)], allow_other_workers=False,
                                     pure=False)
         scored = pc.client.submit(reward_task, rollouts, specs.reward,
-                                  key=f"reward-{iteration}-{i}", resources={"TRAIN": 1})
+                                  key=task_key("reward", iteration, i), resources={"TRAIN": 1})
         out.append(pc.client.submit(advantage_task, scored, cfg.algorithm, cfg.n_samples,
-                                    key=f"advantage-{iteration}-{i}", resources={"TRAIN": 1}))
+                                    key=task_key("advantage", iteration, i),
+                                    resources={"TRAIN": 1}))
     return out
 
 
 def _uncovered(stream: list[dict], t0: float, t1: float) -> float:
     """Wall seconds of [t0, t1] during which no emulated task was computing."""
     spans = sorted((max(s["start"], t0), min(s["stop"], t1)) for task in stream
-                   if str(task["key"]).split("-")[0].strip("('\"") in EMULATED_TASKS
+                   if stage_of(task["key"]) in EMULATED_TASKS
                    for s in task["startstops"] if s["action"] == "compute")
     covered, end = 0.0, t0
     for a, b in spans:
@@ -277,9 +279,9 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
                     trainables, facts = _static_generation(pc, cfg, table, weights, it, specs,
                                                            cfg.seed), {}
                 update = pc.client.submit(emu.update_task, trainables, weights, specs.train,
-                                          key=f"update-{it}", resources={"TRAIN": 1})
+                                          key=task_key("update", it), resources={"TRAIN": 1})
                 published = pc.client.submit(emu.publish_task, update, weights.version + 1,
-                                             key=f"publish-{it}", resources={"TRAIN": 1})
+                                             key=task_key("publish", it), resources={"TRAIN": 1})
                 tables, metrics, weights = pc.client.gather([trainables, update, published])
             t1 = time.time()
             if elastic:

@@ -87,6 +87,7 @@ from rlhfless.schedulers.replay_share import ReplayShare
 from .config import Config
 from .graph import trainable_graph
 from .metrics import iteration_record
+from .task_keys import iteration_of, task_key
 from .trainer_tasks import publish_task, update_task
 
 if TYPE_CHECKING:
@@ -133,13 +134,6 @@ class Job:
     def futures(self) -> list[Future]:
         maybe = [self.plan, *self.shards, *self.trainables, self.update, self.published]
         return [f for f in maybe if isinstance(f, Future)]
-
-
-def _iteration_of(key) -> int | None:
-    """The iteration of a graph key (``generate-3-1`` → 3; evaluation keys → None)."""
-    name = str(key[0] if isinstance(key, tuple) else key)
-    head = name.partition("-")[2].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 class ModeRunner:
@@ -283,10 +277,11 @@ class ModeRunner:
         client = self.pc.client
         extra = [Generated(pa.concat_tables(job.replayed))] if job.replayed else []
         job.update = client.submit(update_task, [*job.trainables, *extra], weights,
-                                   self.specs.train, key=f"update-{job.iteration}",
+                                   self.specs.train, key=task_key("update", job.iteration),
                                    resources={"TRAIN": 1})
         job.published = client.submit(publish_task, job.update, self.specs.train,
-                                      weights.version + 1, key=f"publish-{job.iteration}",
+                                      weights.version + 1,
+                                      key=task_key("publish", job.iteration),
                                       resources={"TRAIN": 1})
 
     def _finish(self, job: Job, weights: WeightsRef,
@@ -295,7 +290,7 @@ class ModeRunner:
         plan, trainables, update, new_weights = client.gather(
             [job.plan, job.trainables, job.update, job.published])
         stream = [t for t in client.get_task_stream(start=job.submitted)
-                  if _iteration_of(t["key"]) == job.iteration]
+                  if iteration_of(t["key"]) == job.iteration]
         record, fresh = iteration_record(job.iteration, weights.version, started, plan,
                                          trainables, update, stream)
         where = f"iteration {job.iteration}"

@@ -36,6 +36,7 @@ from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
 from .cluster import PoolCluster
 from .rollout_tasks import GenSpec, generate_chunk_task, resume_task
 from .tail_tasks import adopt_tails_task, export_tail_task, move_actual_s, set_threads_task
+from .task_keys import task_key
 
 MODES = ("static", "recompute", "kv", "reconfig")
 
@@ -69,8 +70,8 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     widened: dict[str, float] = {}  # worker -> when its threads were raised
     until = 1.0 if mode == "static" else tau
     chunks = {n: c.submit(generate_chunk_task, s, weights, spec, 11, until, f"{tag}-{n}",
-                          workers=[addr[n]], pure=False, key=f"{tag}-chunk-{n}")
-              for n, s in zip(names, shards)}
+                          workers=[addr[n]], pure=False, key=task_key("chunk", 0, i, tag=tag))
+              for i, (n, s) in enumerate(zip(names, shards))}
     wait(list(chunks.values()))
     outs = {n: f.result() for n, f in chunks.items()}
     done = [o["done"] for o in outs.values()]

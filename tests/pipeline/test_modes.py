@@ -16,7 +16,7 @@ from rlhfless.ops.update import UpdateParams
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.loop import train
-from rlhfless.pipeline.modes import _iteration_of, mode_specs
+from rlhfless.pipeline.modes import mode_specs
 from rlhfless.pipeline.rollout_tasks import GenSpec
 from rlhfless.pipeline.scoring_tasks import RewardSpec, advantage_task
 from rlhfless.pipeline.specs import Specs
@@ -185,10 +185,3 @@ def test_an_empty_shard_concatenates_with_full_ones():
     empty = Generated(SCORED.empty_table())
     assert advantage_task(empty, "grpo", 2).table.schema.field("advantage") == TRAINABLE.field(
         "advantage")
-
-
-def test_iteration_of_graph_keys():
-    assert _iteration_of("generate-3-1") == 3
-    assert _iteration_of(("shard-12", 0)) == 12
-    assert _iteration_of("update-7") == 7
-    assert _iteration_of("eval-generate-eval-3-0") is None
