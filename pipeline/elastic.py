@@ -257,11 +257,11 @@ class ElasticGeneration:
         """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
         ``rows`` on the source when the tail is split) or its prefix recomputed there, then
         decoded to the end. Returns the key of the future that says the move landed."""
-        load, landing = self.load_of(part, part), task_key("continue", iteration, shard, j)
+        load, continued = self.load_of(part, part), task_key("continue", iteration, shard, j)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
             self._submit(shard, target, load, self.tasks.continue_task, part, weights,
-                         specs.gen, seed, key=landing)
-            return landing
+                         specs.gen, seed, key=continued)
+            return continued
         client, at = self.pc.client, [self.pc.address_of(target)]
         paused = task_key("moved", iteration, shard, j)  # the tail's name on the target
         if choice.path == "transfer":
@@ -276,7 +276,7 @@ class ElasticGeneration:
                                 key=task_key("adopt", iteration, shard, j))
         self.ac.add(adopted)
         self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
-                     key=landing)
+                     key=continued)
         return adopted.key
 
     def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:
