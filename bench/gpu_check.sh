@@ -93,7 +93,7 @@ if torch.cuda.device_count() < 2:
 from distributed import Client, LocalCluster
 from rlhfless.ops.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.ranks import form_group, on_ranks
-from rlhfless.pipeline.workers import leave_trainer_task
+from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 import test_ranks as g
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.episode import EpisodeParams, run_episodes
-from rlhfless.ops.generate import GenerationStats, SamplingParams
+from rlhfless.ops.gen_stats import GenerationStats
+from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
 

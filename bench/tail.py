@@ -38,19 +38,14 @@ from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
 from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.engines import EngineSpec
+from rlhfless.pipeline.rollout_tasks import GenSpec, drop_task, generate_chunk_task, generate_task
 from rlhfless.pipeline.tail import MODES, TailModels, run_tail
 from rlhfless.pipeline.tail_tasks import (
     adopt_tails_task,
     export_tail_task,
     move_actual_s,
     profile_steps_task,
-)
-from rlhfless.pipeline.workers import (
-    EngineSpec,
-    GenSpec,
-    drop_task,
-    generate_chunk_task,
-    generate_task,
 )
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel

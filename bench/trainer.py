@@ -48,7 +48,7 @@ from rlhfless.ops.publish import publish_weights
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
-from rlhfless.pipeline.workers import leave_trainer_task
+from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 
 PARAMS = UpdateParams(lr=1e-4, micro_batch_tokens=1024)
 

@@ -1,6 +1,6 @@
 """The generation backends: the transformers one, and ``make_backend`` to pick one.
 
-A generation worker holds one backend in worker-local state (``pipeline/workers.py``) and
+A generation worker holds one backend in worker-local state (``pipeline/rollout_tasks.py``) and
 drives it in this order:
 
     backend = make_backend("hf" | "vllm", model_path, ...)
@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .backend_protocol import GenerationBackend
-from .generate import GenerationStats, SamplingParams, generate_rollouts
+from .gen_stats import GenerationStats
+from .generate import SamplingParams, generate_rollouts
 from .lora import LoraSpec, add_adapters
 from .publish import WeightsRef, load_weights
 

@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 
 import pyarrow as pa
 
-from .generate import GenerationStats, SamplingParams
+from .gen_stats import GenerationStats
+from .generate import SamplingParams
 from .publish import WeightsRef
 
 
@@ -41,7 +42,8 @@ class GenerationBackend(ABC):
                  share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
         """``n_samples`` responses to every prompt (``prompt_ids``; ``prefix_len`` when
         ``share_prefixes``), with behaviour logprobs; rows prompt-major. ``params.seed``
-        makes the draw reproducible on one backend and device."""
+        (with each prompt's id, ``seeds.py``) makes the draw reproducible on one backend and
+        device, whichever shard the prompt is in."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> None:

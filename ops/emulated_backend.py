@@ -50,6 +50,7 @@ from distributed import get_worker
 from rlhfless.schedulers.profiles import Profile
 from rlhfless.schedulers.sim_engine import WorkerRun, simulate_run
 
+from .gen_stats import Generated, GenerationStats
 from .schema import ROLLOUTS
 
 LENGTHS = "emulated_lengths"  # prompt column: the trace's response lengths of its group
@@ -156,16 +157,15 @@ def _rollouts(rows: pa.Table, lengths: np.ndarray, spec: EmulatedGenSpec, start:
 
 
 def _stamp(table: pa.Table, run: WorkerRun, spec: EmulatedGenSpec, emulated_s: float,
-           late_wall_s: float) -> pa.Table:
-    """The generation statistics of ``run`` in the table's schema metadata (emulated
-    seconds), the keys a real engine reports, and the wall seconds the task ran late."""
-    prefill = float(run.prefill.sum())
-    meta = {"prefill_tokens": prefill,
-            "prefill_seconds": prefill / spec.profile.prefill_tokens_per_s,
-            "decode_tokens": float(run.batch.sum()), "decode_steps": float(run.n_steps),
-            "decode_seconds": float(run.decode_s.sum()), "gen_seconds": emulated_s,
-            "cold_start_s": 0.0, "late_wall_s": late_wall_s}
-    return table.replace_schema_metadata({k: str(v) for k, v in meta.items()})
+           late_wall_s: float) -> Generated:
+    """``table`` beside the generation statistics of ``run`` (emulated seconds), the figures
+    a real engine reports, and the wall seconds the task ran late."""
+    prefill = int(run.prefill.sum())
+    return Generated(table, GenerationStats(
+        prefill_tokens=prefill, prefill_seconds=prefill / spec.profile.prefill_tokens_per_s,
+        decode_tokens=int(run.batch.sum()), decode_steps=int(run.n_steps),
+        decode_seconds=float(run.decode_s.sum()), gen_seconds=emulated_s,
+        late_wall_s=late_wall_s))
 
 
 def _schedule(shard: pa.Table, spec: EmulatedGenSpec, t0: float) -> tuple[pa.Table, np.ndarray,
@@ -180,7 +180,7 @@ def _schedule(shard: pa.Table, spec: EmulatedGenSpec, t0: float) -> tuple[pa.Tab
 
 
 def generate_task(shard: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec,
-                  seed: int) -> pa.Table:
+                  seed: int) -> Generated:
     """Rollouts of the whole shard (the static policy's generate)."""
     started = time.time()
     rows, lengths, run = _schedule(shard, spec, _sync(weights, spec))
@@ -212,7 +212,7 @@ def generate_chunk_task(shard: pa.Table, weights: EmulatedWeights, spec: Emulate
     return {"done": _stamp(table, run.cut(t_cut), spec, t_cut, late), "cut": cut}
 
 
-def resume_task(key: str, weights: EmulatedWeights, spec: EmulatedGenSpec) -> pa.Table:
+def resume_task(key: str, weights: EmulatedWeights, spec: EmulatedGenSpec) -> Generated:
     """Finish the paused chunk ``key`` here: the rest of its schedule (the *stay* side)."""
     run, rows, t_cut, chunk_started = _PAUSED.pop(key)
     started = time.time()
@@ -235,7 +235,7 @@ def drop_task(key: str) -> bool:
 
 
 def continue_task(cut: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec,
-                  seed: int) -> pa.Table:
+                  seed: int) -> Generated:
     """Continue sequences cut on another worker: prompt + generated tokens prefilled again,
     then the rest decoded (the *move* side)."""
     started = time.time()
@@ -250,11 +250,12 @@ def continue_task(cut: pa.Table, weights: EmulatedWeights, spec: EmulatedGenSpec
     return _stamp(table, run, spec, run.t_finish, late)
 
 
-def update_task(trainables: list[pa.Table], weights: EmulatedWeights,
+def update_task(shards: list[Generated], weights: EmulatedWeights,
                 spec: EmulatedTrainSpec) -> dict:
     """The update's time on the profile's learner: forward-only passes and the update over
     prompt + response tokens. Returns the metrics the driver reads (emulated seconds)."""
     started = time.time()
+    trainables = [s.table for s in shards]
     tokens = float(sum(_lengths(t.column("prompt_ids")).sum()
                        + _lengths(t.column("response_ids")).sum() for t in trainables))
     prof = spec.profile

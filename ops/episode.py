@@ -37,13 +37,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from .env import Environment, check_step, resolve_environment
+from .gen_stats import EpisodeStats, GenerationStats
 from .generate import (
     Decoding,
-    GenerationStats,
     SamplingParams,
     _check_context,
     _prefix_cache,
@@ -51,11 +52,13 @@ from .generate import (
     expand_samples,
     extend_cache,
     rollouts_table,
+    row_keys,
     run_decoding,
 )
 from .kv_transfer import row_kv
 from .reward import _describe
 from .schema import EPISODES, SCORED
+from .seeds import subkeys
 
 ENV_THREADS = 64  # environment calls in flight at once, per process
 _ENV_POOL: list[ThreadPoolExecutor] = []  # made on first use, kept for the process
@@ -80,23 +83,10 @@ class EpisodeParams:
 
 
 @dataclass
-class EpisodeStats:
-    episodes: int = 0
-    turns: int = 0
-    env_calls: int = 0  # construction, reset, steps and close
-    env_errors: int = 0  # episodes ended by an environment failure
-    env_seconds: float = 0.0  # summed over episodes, inside environment calls
-    env_wait_seconds: float = 0.0  # the loop waited for environments, decoding nothing
-    observation_tokens: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
 class _Episode:
     row: dict
     prompt: list[int]
+    key: int = 0  # the sequence's sampling key; each turn draws under subkeys(key, turn)
     env: Environment | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -211,10 +201,10 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     if prompt_ids:
         _check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-    eps = [_Episode(row | {"prompt_text": text}, ids, pending=list(ids))
-           for row, ids, text in zip(rows.to_pylist(), prompt_ids, texts)]
+    eps = [_Episode(row | {"prompt_text": text}, ids, key, pending=list(ids))
+           for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts,
+                                          row_keys(sampling.seed, rows).tolist())]
     eos = tokenizer.eos_token_id
-    gen = torch.Generator(device=model.device).manual_seed(sampling.seed)
     timeout = params.step_timeout_s
     for call in [_env_call(ep, _open, ep, cls, params) for ep in eps]:
         try:
@@ -222,7 +212,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
         except BaseException as err:  # user code: recorded, this episode only
             call.ep.fail("reset", err)
     while live := [ep for ep in eps if ep.finish is None]:
-        steps = _play_round(model, tokenizer, live, sampling, params, gen, eos, stats)
+        steps = _play_round(model, tokenizer, live, sampling, params, eos, stats)
         waited = time.perf_counter()
         for call in steps:
             ep = call.ep
@@ -258,8 +248,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
 
 
 def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams,
-                params: EpisodeParams, gen: torch.Generator, eos: int,
-                stats: GenerationStats) -> list[_Call]:
+                params: EpisodeParams, eos: int, stats: GenerationStats) -> list[_Call]:
     """Decode one turn of every live episode; returns the environment steps started."""
     budgets = [min(params.max_turn_tokens, params.max_episode_tokens - len(ep.ids))
                for ep in live]
@@ -271,8 +260,9 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
     stats.prefill_tokens += sum(len(ep.pending) for ep in live)
     next_pos = torch.tensor([p + len(ep.pending) for p, ep in zip(past, live)],
                             device=model.device)
-    dec = _start(model, cache, logits, mask, next_pos, budgets, sampling)
-    dec.gen = gen  # one random stream for the whole shard, not one per round
+    keys = subkeys(np.array([ep.key for ep in live], dtype=np.uint64),
+                   np.array([ep.turns for ep in live], dtype=np.uint64))
+    dec = _start(model, cache, logits, mask, next_pos, budgets, keys)
     stats.prefill_seconds += time.perf_counter() - started
     steps: list[_Call] = []
     keep = _keep_leaving(live) if params.keep_kv else None

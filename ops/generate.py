@@ -8,7 +8,9 @@
    resulting cache is repeated for the prompt's n samples. Without a plan, every
    (prompt, sample) is prefilled in full, which is what ``model.generate()`` does.
 2. *Decode.* One token per live sequence per step, temperature / top-p sampling (or
-   greedy), with the behaviour policy's log-probability of each sampled token.
+   greedy), with the behaviour policy's log-probability of each sampled token. A sequence's
+   k-th token is drawn by inverting the CDF at its own uniform (``seeds.uniforms`` of the
+   sequence's key and k), so what a (prompt, sample) draws does not depend on its batch.
 3. *Leave the batch.* A sequence that emits EOS or reaches ``max_new_tokens`` is removed
    from the batch and from the KV cache at once, so the long tail does not pay for the
    rows that already finished.
@@ -26,12 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
 from .forward import forward_with_cache, layer_tensors, left_pad, positions_of
+from .gen_stats import GenerationStats
 from .schema import PROMPTS, ROLLOUTS, check_columns
+from .seeds import index_keys, sequence_keys, uniforms
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False  # argmax decoding (evaluation); temperature then only scales logprobs
-    seed: int = 0
+    seed: int = 0  # the generation seed (seeds.generation_seed): keys every sequence's draws
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -49,19 +54,6 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class GenerationStats:
-    prefill_tokens: int = 0  # prompt tokens that went through the model
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0  # sampled tokens (sum over steps of the live batch size)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
 
 
 def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
@@ -101,8 +93,9 @@ def _prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
     return DynamicCache(ddp_cache_data=layers, config=model.config), mask
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-    """logits [B, V] -> (tokens [B], logprobs [B]) under the temperature-scaled policy."""
+def _sample(logits: torch.Tensor, params: SamplingParams, draws: torch.Tensor | None):
+    """logits [B, V] -> (tokens [B], logprobs [B]) under the temperature-scaled policy;
+    ``draws`` [B]: each row's uniform in [0, 1) (unused when greedy)."""
     logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     if params.greedy:
         tokens = logp.argmax(dim=-1)
@@ -113,7 +106,10 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
             drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        cdf = probs.double().cumsum(dim=-1)
+        target = draws.to(cdf)[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(
+            max=cdf.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -121,7 +117,9 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
 class Decoding:
     """A batch being decoded; ``live`` rows map to sequence indices. It can stop part-way
     (``run_decoding(until_finished=...)``) and be resumed, or its unfinished sequences can be
-    handed to another worker, which recomputes their prefix (``prefill_continuations``)."""
+    handed to another worker, which recomputes their prefix (``prefill_continuations``).
+    ``tokens`` of a continuation start with those generated before the cut, so that each
+    sequence's next draw is numbered by its position in the response."""
 
     cache: DynamicCache
     logits: torch.Tensor  # [B, V] next-token logits of the live rows
@@ -132,7 +130,7 @@ class Decoding:
     tokens: list[list[int]]  # per sequence: generated ids so far
     logprobs: list[list[float]]
     reasons: list[str]  # per sequence: "stop" | "length" (final once it left the batch)
-    gen: torch.Generator
+    keys: np.ndarray  # per sequence: its sampling key (uint64, ``seeds.sequence_keys``)
 
     @property
     def finished_fraction(self) -> float:
@@ -150,14 +148,21 @@ def _check_context(model, longest: int) -> None:
         )
 
 
-def _start(model, cache, logits, mask, next_pos, budgets: list[int], params: SamplingParams):
+def _start(model, cache, logits, mask, next_pos, budgets: list[int], keys: np.ndarray):
     n_seq = logits.shape[0]
+    if len(keys) != n_seq:
+        raise ValueError(f"{len(keys)} sampling keys for {n_seq} sequences")
     return Decoding(
         cache, logits, mask, next_pos, torch.arange(n_seq, device=model.device),
         torch.tensor(budgets, device=model.device), [[] for _ in range(n_seq)],
-        [[] for _ in range(n_seq)], ["length"] * n_seq,
-        torch.Generator(device=model.device).manual_seed(params.seed),
+        [[] for _ in range(n_seq)], ["length"] * n_seq, np.asarray(keys, dtype=np.uint64),
     )
+
+
+def row_keys(seed: int, rows: pa.Table) -> np.ndarray:
+    """The sampling keys of ``rows`` (one per sequence: ``prompt_id``, ``sample_idx``)."""
+    return sequence_keys(seed, rows.column("prompt_id").to_pylist(),
+                         rows.column("sample_idx").to_pylist())
 
 
 def extend_cache(model, cache: DynamicCache, past_mask: torch.Tensor, past_lens: list[int],
@@ -179,10 +184,13 @@ def extend_cache(model, cache: DynamicCache, past_mask: torch.Tensor, past_lens:
 @torch.inference_mode()
 def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
                     pad_id: int, prefix_lens: list[int] | None = None,
-                    stats: GenerationStats | None = None) -> Decoding:
+                    stats: GenerationStats | None = None,
+                    keys: np.ndarray | None = None) -> Decoding:
     """Prefill ``n_samples`` copies of each prompt (prompt-major). ``prefix_lens[i]`` tokens
     of prompt i are a prefix shared with other prompts (0 = nothing shared); ``None``
-    disables every sharing, the n samples included."""
+    disables every sharing, the n samples included. ``keys``: each sequence's sampling key
+    (``row_keys`` of ``expand_samples``' rows); default: the sequences numbered under
+    ``params.seed``."""
     stats = stats if stats is not None else GenerationStats()
     started = time.perf_counter()
     _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
@@ -208,18 +216,22 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
         mask = mask.repeat_interleave(repeat, dim=0)
         next_pos = next_pos.repeat_interleave(repeat)
     stats.prefill_seconds += time.perf_counter() - started
-    return _start(model, cache, logits, mask, next_pos,
-                  [params.max_new_tokens] * logits.shape[0], params)
+    n_seq = logits.shape[0]
+    return _start(model, cache, logits, mask, next_pos, [params.max_new_tokens] * n_seq,
+                  index_keys(params.seed, n_seq) if keys is None else keys)
 
 
 @torch.inference_mode()
-def prefill_continuations(model, prompts: list[list[int]], generated: list[list[int]],
-                          params: SamplingParams, pad_id: int,
+def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: int,
                           stats: GenerationStats | None = None) -> Decoding:
     """Resume sequences cut elsewhere: prefill prompt + tokens generated so far (the
-    recompute side of cut-and-migrate); each may generate up to ``max_new_tokens`` in all."""
+    recompute side of cut-and-migrate); each may generate up to ``max_new_tokens`` in all.
+    Reads ``prompt_ids``, ``partial_ids``, ``partial_logprobs``, and ``prompt_id`` and
+    ``sample_idx`` (the sampling keys) of ``cut``; the decoding's tokens start with the
+    partial ones."""
     stats = stats if stats is not None else GenerationStats()
     started = time.perf_counter()
+    prompts, generated = cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist()
     full = [p + g for p, g in zip(prompts, generated)]
     _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
     ids, mask = left_pad(full, pad_id)
@@ -233,7 +245,11 @@ def prefill_continuations(model, prompts: list[list[int]], generated: list[list[
     budgets = [params.max_new_tokens - len(g) for g in generated]
     if min(budgets) < 1:
         raise ValueError("prefill_continuations: a sequence has no token budget left")
-    return _start(model, cache, out.logits[:, -1], mask, next_pos, budgets, params)
+    dec = _start(model, cache, out.logits[:, -1], mask, next_pos, budgets,
+                 row_keys(params.seed, cut))
+    dec.tokens = [list(g) for g in generated]
+    dec.logprobs = [list(lp) for lp in cut.column("partial_logprobs").to_pylist()]
+    return dec
 
 
 @torch.inference_mode()
@@ -248,8 +264,9 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
     stats = stats if stats is not None else GenerationStats()
     started = time.perf_counter()
     while len(dec.live):
-        tokens, logps = _sample(dec.logits, params, dec.gen)
-        for seq, tok, lp in zip(dec.live.tolist(), tokens.tolist(), logps.tolist()):
+        live = dec.live.tolist()
+        tokens, logps = _sample(dec.logits, params, _draws(dec, live, params))
+        for seq, tok, lp in zip(live, tokens.tolist(), logps.tolist()):
             dec.tokens[seq].append(tok)
             dec.logprobs[seq].append(lp)
         stats.decode_tokens += len(dec.live)
@@ -280,12 +297,21 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
     return dec
 
 
+def _draws(dec: Decoding, live: list[int], params: SamplingParams) -> torch.Tensor | None:
+    """The uniform of each live sequence's next token (numbered by its response position)."""
+    if params.greedy:
+        return None
+    counters = np.array([len(dec.tokens[s]) for s in live], dtype=np.uint64)
+    return torch.from_numpy(uniforms(dec.keys[live], counters)).to(dec.logits.device)
+
+
 def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingParams,
            eos_id: int, pad_id: int, prefix_lens: list[int] | None = None,
-           stats: GenerationStats | None = None) -> list[tuple[list[int], list[float], str]]:
+           stats: GenerationStats | None = None,
+           keys: np.ndarray | None = None) -> list[tuple[list[int], list[float], str]]:
     """Generate ``n_samples`` continuations of each prompt to the end; returns, prompt-major,
     one ``(token ids, logprobs, finish_reason)`` per (prompt, sample)."""
-    dec = prefill_prompts(model, prompts, n_samples, params, pad_id, prefix_lens, stats)
+    dec = prefill_prompts(model, prompts, n_samples, params, pad_id, prefix_lens, stats, keys)
     return run_decoding(model, dec, params, eos_id, stats).results()
 
 
@@ -343,11 +369,12 @@ def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,
     check_columns(prompts, PROMPTS, "generate_rollouts")
     stats = GenerationStats()
     ids = prompts.column("prompt_ids").to_pylist()
+    rows = expand_samples(prompts, n_samples)
     start = time.time()
     results = decode(model, ids, n_samples, params, tokenizer.eos_token_id,
                      tokenizer.pad_token_id, prefix_lens_of(prompts, share_prefixes),
-                     stats) if ids else []
-    table = rollouts_table(expand_samples(prompts, n_samples), results, tokenizer,
+                     stats, row_keys(params.seed, rows)) if ids else []
+    table = rollouts_table(rows, results, tokenizer,
                            policy_version=policy_version, worker=worker, start=start,
                            end=time.time())
     return table, stats

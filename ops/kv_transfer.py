@@ -2,8 +2,8 @@
 
 ``run_decoding(until_finished=...)`` leaves a ``Decoding`` paused part-way: a KV cache
 over the live rows, the next-token logits, positions, budgets, the tokens and
-log-probabilities so far and the random generator. ``export_tail`` turns its live rows into
-a ``TailKV`` of plain CPU tensors and lists (what Dask moves between workers, pickled with
+log-probabilities so far and each sequence's sampling key. ``export_tail`` turns its live
+rows into a ``TailKV`` of plain CPU tensors and lists (what Dask moves between workers, pickled with
 out-of-band tensor buffers); ``import_tail`` rebuilds a ``Decoding`` from one or more of
 them on the receiving engine, which ``run_decoding`` then finishes.
 
@@ -11,13 +11,13 @@ Each row keeps only its real cache positions (``row_kv``: no padding travels); t
 receiving side stacks them left-padded to the longest (``generate._prefix_cache``, as the
 multi-turn loop does with the KV it keeps across turns), so each row keeps its own position
 ids and the continuation equals uninterrupted decoding: token for token under greedy
-decoding (float64 leaves no near-ties to flip), and under sampling too when one whole tail
-moves (the generator's state travels with it, and the batch keeps its rows and order).
+decoding (float64 leaves no near-ties to flip), and under sampling too: a sequence's draws
+are a function of its key and its position (``seeds.py``), whatever batch it continues in.
 ``recompute_tail`` is the other way to the same ``TailKV``: the receiving worker prefills
 the sequences' prompt + tokens so far (the cut rows' ``partial_ids``) itself, so either
-path ends in one batch with the tails already there. Tails merged from several sources
-(``import_tail`` of several) continue on the first tail's generator: greedy decoding is
-unchanged, sampling draws a different stream.
+path ends in one batch with the tails already there; tails merged from several sources
+(``import_tail`` of several) or split over several targets (``take_tail``) continue as they
+would have where they were.
 """
 
 from __future__ import annotations
@@ -25,17 +25,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
-from .generate import (
-    Decoding,
-    GenerationStats,
-    SamplingParams,
-    _prefix_cache,
-    prefill_continuations,
-)
+from .gen_stats import GenerationStats
+from .generate import Decoding, SamplingParams, _prefix_cache, prefill_continuations
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
 
@@ -58,7 +54,7 @@ class TailKV:
     budget: torch.Tensor  # [B] tokens each may still generate
     tokens: list[list[int]]  # per sequence: generated ids so far
     logprobs: list[list[float]]
-    rng_state: torch.Tensor  # the decoding's generator state
+    keys: np.ndarray  # per sequence: its sampling key (uint64)
     start: float  # wall time the sequences' generation began
     exported_at: float = 0.0  # wall time the export finished (transfer timing starts here)
     export_s: float = 0.0  # seconds the export took
@@ -76,8 +72,8 @@ class TailKV:
     @property
     def nbytes(self) -> int:
         tensors = [t for kv in self.kv for pair in kv for t in pair]
-        tensors += [self.logits, self.next_pos, self.budget, self.rng_state]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [self.logits, self.next_pos, self.budget]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.keys.nbytes
 
 
 def kv_bytes_per_token(model_path: str, element_size: int = 4) -> float:
@@ -103,7 +99,7 @@ def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
         rows=rows.take(pa.array(live, pa.int64())), kv=kv, logits=dec.logits.to(cpu).clone(),
         next_pos=dec.next_pos.to(cpu).clone(), budget=dec.budget.to(cpu).clone(),
         tokens=[list(dec.tokens[s]) for s in live], logprobs=[list(dec.logprobs[s]) for s in live],
-        rng_state=dec.gen.get_state(), start=start, exported_at=time.time(),
+        keys=dec.keys[live], start=start, exported_at=time.time(),
         export_s=time.perf_counter() - began)
 
 
@@ -117,8 +113,6 @@ def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
           for t in tails for seq in t.kv]
     lens = [int(seq[0][0].shape[2]) for seq in kv]
     cache, mask = _prefix_cache(model, kv, list(range(len(kv))), lens)
-    gen = torch.Generator(device=device)
-    gen.set_state(tails[0].rng_state)
     n = len(kv)
     dec = Decoding(
         cache=cache, logits=torch.cat([t.logits for t in tails]).to(device),
@@ -126,15 +120,14 @@ def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
         live=torch.arange(n, device=device), budget=torch.cat([t.budget for t in tails]).to(device),
         tokens=[list(x) for t in tails for x in t.tokens],
         logprobs=[list(x) for t in tails for x in t.logprobs],
-        reasons=["length"] * n, gen=gen)
+        reasons=["length"] * n, keys=np.concatenate([t.keys for t in tails]))
     rows = pa.concat_tables([t.rows for t in tails if t.n_sequences])
     return dec, rows
 
 
 def take_tail(tail: TailKV, positions: list[int]) -> TailKV:
     """The sequences at ``positions`` of ``tail`` (in that order) as a tail of their own: a
-    tail split over several targets. Each part keeps the generator state (greedy decoding is
-    unchanged; sampling draws a different stream, as merged tails do)."""
+    tail split over several targets."""
     if not positions or min(positions) < 0 or max(positions) >= tail.n_sequences:
         raise ValueError(f"take_tail: positions {positions} of a tail of {tail.n_sequences}")
     index = torch.tensor(positions, dtype=torch.long)
@@ -143,17 +136,14 @@ def take_tail(tail: TailKV, positions: list[int]) -> TailKV:
         kv=[tail.kv[p] for p in positions], logits=tail.logits[index].clone(),
         next_pos=tail.next_pos[index].clone(), budget=tail.budget[index].clone(),
         tokens=[tail.tokens[p] for p in positions],
-        logprobs=[tail.logprobs[p] for p in positions], rng_state=tail.rng_state,
+        logprobs=[tail.logprobs[p] for p in positions], keys=tail.keys[positions],
         start=tail.start, exported_at=tail.exported_at, export_s=tail.export_s)
 
 
 def recompute_tail(model, cut: pa.Table, params: SamplingParams, pad_id: int,
                    stats: GenerationStats | None = None) -> TailKV:
     """A ``TailKV`` of cut sequences made here by recomputing their context: reads
-    ``prompt_ids``, ``partial_ids`` and ``partial_logprobs`` (tokens so far) of ``cut``."""
-    partial = cut.column("partial_ids").to_pylist()
-    dec = prefill_continuations(model, cut.column("prompt_ids").to_pylist(), partial, params,
-                                pad_id, stats)
-    dec.tokens = [list(p) for p in partial]
-    dec.logprobs = [list(p) for p in cut.column("partial_logprobs").to_pylist()]
+    ``prompt_ids``, ``partial_ids`` and ``partial_logprobs`` (tokens so far), ``prompt_id``
+    and ``sample_idx`` of ``cut``."""
+    dec = prefill_continuations(model, cut, params, pad_id, stats)
     return export_tail(dec, cut.drop_columns(["partial_ids", "partial_logprobs"]), time.time())

@@ -1,7 +1,8 @@
 """The vLLM generation backend (the ``vllm`` extra), behind ``backend.GenerationBackend``.
 
 * **n samples per prompt** in one request each: ``SamplingParams(n=n_samples)``, so vLLM
-  prefills every prompt once and forks its KV for the samples;
+  prefills every prompt once and forks its KV for the samples; each request is seeded by
+  its prompt (``seeds.prompt_seeds``), so a prompt draws the same samples on any shard;
 * **prefix caching on** (``enable_prefix_caching=True``): prompts that share a template or
   a few-shot prefix reuse its KV within and across calls — and ``set_weights`` resets the
   cache (``LLM.reset_prefix_cache``), so no request ever reads KV of older weights;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,11 @@ import pyarrow as pa
 from safetensors.torch import load_file
 
 from .backend_protocol import GenerationBackend
-from .generate import GenerationStats, SamplingParams, expand_samples, rollouts_table
+from .gen_stats import GenerationStats
+from .generate import SamplingParams, expand_samples, rollouts_table
 from .publish import WeightsRef
 from .schema import PROMPTS, check_columns
+from .seeds import prompt_seeds
 
 WEIGHT_LOADER = "rlhfless.ops.vllm_backend.WeightLoader"
 
@@ -147,8 +151,9 @@ class VLLMBackend(GenerationBackend):
         self.wake()
         ids = prompts.column("prompt_ids").to_pylist()
         start, t0 = time.time(), time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in ids],
-                               self.sampling_params(n_samples, params), use_tqdm=False)
+        requests = [self.sampling_params(n_samples, replace(params, seed=seed))
+                    for seed in prompt_seeds(params.seed, prompts.column("prompt_id").to_pylist())]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], requests, use_tqdm=False)
         seconds = time.perf_counter() - t0
         results, cached = [], 0
         for prompt, out in zip(ids, outputs):

@@ -25,8 +25,9 @@ byte back costs time, so only ``latest``, ``find`` and ``export_hf`` verify cont
 ``prune`` and the readers of a checkpoint that ``latest`` chose check sizes. ``prune`` keeps
 the newest ``keep`` whole ones and removes the rest.
 
-Who writes what: the trainer worker writes ``trainer/`` itself (``workers.save_trainer_task``),
-the driver the root attributes, ``driver/`` and ``tables/``. Weights and optimizer state are
+Who writes what: the trainer worker writes ``trainer/`` itself
+(``trainer_tasks.save_trainer_task``), the driver the root attributes, ``driver/`` and
+``tables/``. Weights and optimizer state are
 three times the model in fp32; shipping them through the scheduler to the driver would double
 the traffic and hold them twice in memory, while the trainer shares the file system with the
 driver on a LocalCluster and on HPC (published weights already rely on that).

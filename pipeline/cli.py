@@ -36,6 +36,7 @@ from .report import run_from_args as report_from_args
 from .runs import RunDir, RunDirError
 from .simulate import add_parser as add_simulate_parser
 from .simulate import run_from_args as simulate_from_args
+from .task_keys import parse_key, stage_of
 
 
 def render_graph(cfg, filename: str) -> str:
@@ -49,12 +50,12 @@ def render_graph(cfg, filename: str) -> str:
     outputs = graph.outputs()
     keys = dict(dask.base.collections_to_expr(outputs).__dask_graph__())
     attrs = {
-        k: {"style": "filled", "fillcolor": STAGE_COLOURS[key_split(k)], "label": str(k)}
-        if key_split(k) in STAGE_COLOURS else {"label": "", "shape": "point"}
+        k: {"style": "filled", "fillcolor": STAGE_COLOURS[stage_of(k)], "label": str(k)}
+        if stage_of(k) in STAGE_COLOURS else {"label": "", "shape": "point"}
         for k in keys
     }
-    shards = {dep: {"label": f"shard {str(k).rsplit('-', 1)[1]}"}  # the input of generate-1-i
-              for k in keys if key_split(k) == "generate"
+    shards = {dep: {"label": f"shard {parse_key(k).shard}"}  # the input of generate-1-i
+              for k in keys if stage_of(k) == "generate"
               for dep in get_dependencies(keys, k) if key_split(dep) == "getitem"}
     dask.visualize(*outputs, filename=filename, optimize_graph=False, rankdir="LR",
                    function_attributes=attrs, data_attributes=shards)

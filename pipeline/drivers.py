@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 from distributed import get_task_stream
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -30,7 +31,8 @@ from .modes import ModeRunner
 from .runs import RunDir
 from .sampler import PromptSampler
 from .specs import Specs
-from .workers import publish_task, update_task
+from .task_keys import task_key
+from .trainer_tasks import publish_task, update_task
 
 
 def run_step(cfg: Config, runner: ModeRunner | None, eg: ElasticGeneration,
@@ -51,9 +53,8 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval-")
-    tables = pc.client.compute(scored, optimize_graph=False, sync=True)
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+                              tag="eval")
+    table = Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
             "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),
@@ -77,7 +78,7 @@ def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iterati
     # the batch travels in the graph, not scattered: a worker's death must not lose it
     graph = iteration_graph(batch, weights, iteration, cfg.gen_workers,
                             specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
-                            seed=cfg.seed * 1_000_003 + iteration, min_prefix=cfg.min_prefix)
+                            seed=cfg.seed, min_prefix=cfg.min_prefix)
     started = time.time()
     with get_task_stream(pc.client) as stream:
         plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)
@@ -95,15 +96,14 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
     started = time.time()
     with get_task_stream(client) as stream:
         plan, trainable_futures, facts = eg.run_generation(
-            batch, weights, iteration, specs, cfg.seed * 1_000_003 + iteration)
+            batch, weights, iteration, specs, cfg.seed)
         metrics = client.submit(update_task, trainable_futures, weights, specs.train,
-                                key=f"update-{iteration}", resources={"TRAIN": 1})
+                                key=task_key("update", iteration), resources={"TRAIN": 1})
         published = client.submit(publish_task, metrics, specs.train, weights.version + 1,
-                                   key=f"publish-{iteration}", resources={"TRAIN": 1})
+                                   key=task_key("publish", iteration), resources={"TRAIN": 1})
         trainables, update, new_weights = client.gather(
             [trainable_futures, metrics, published])
-    eg.after_update(update["update_seconds"], [t.schema.metadata and {
-        k.decode(): float(v) for k, v in t.schema.metadata.items()} or {} for t in trainables])
+    eg.after_update(update["update_seconds"], [t.stats for t in trainables])
     record, table = on_policy_record(iteration, weights, started, plan, trainables, update,
                                      stream.data)
     return record | facts, table, new_weights

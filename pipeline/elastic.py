@@ -33,17 +33,19 @@ import numpy as np
 import pyarrow as pa
 from distributed import as_completed
 
+from rlhfless.ops.gen_stats import Generated, GenerationStats
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.migration import WorkerProgress
 from rlhfless.schedulers.policy import ElasticPolicy
 
 from .cluster import PoolCluster
 from .config import Config
-from .metrics import generation_metrics
 from .runs import RunDir
+from .scoring_tasks import advantage_task, reward_task
 from .tail_tasks import (
     adopt_tails_task,
     export_tail_task,
@@ -51,7 +53,7 @@ from .tail_tasks import (
     resume_adopted_task,
     take_tail_task,
 )
-from .workers import advantage_task, reward_task
+from .task_keys import stage_of, task_key
 
 
 def generation_tasks(backend: str):
@@ -61,9 +63,9 @@ def generation_tasks(backend: str):
         from rlhfless.ops import emulated_backend
 
         return emulated_backend
-    from . import workers
+    from . import rollout_tasks
 
-    return workers
+    return rollout_tasks
 
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:
@@ -111,9 +113,12 @@ class ElasticGeneration:
 
     def run_generation(self, batch: pa.Table, weights: WeightsRef, iteration: int, specs,
                        seed: int) -> tuple[object, list, dict]:
-        """Generate, score and compute advantages for ``batch``; returns the dedup plan, one
-        future of a trainable table per shard, and generation facts for the metrics."""
+        """Generate, score and compute advantages for ``batch`` under the run ``seed``
+        (every task draws under ``generation_seed(seed, iteration)``); returns the dedup
+        plan, one future of a trainable table per shard, and generation facts for the
+        metrics."""
         started = time.time()
+        seed = generation_seed(seed, iteration)
         plan = plan_prefixes(batch, self.cfg.n_samples, self.cfg.min_prefix)
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
@@ -127,13 +132,13 @@ class ElasticGeneration:
         if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
             self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
-        pieces: dict[int, list[pa.Table]] = {}
+        pieces: dict[int, list[Generated]] = {}
         for i, (shard, worker) in enumerate(zip(shards, workers)):
             if len(shard) == 0:
                 continue
-            key = f"generate-{iteration}-{i}"
+            key = task_key("generate", iteration, i)
             self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
-                         weights, specs.gen, seed + i, self.policy.knobs.tau, key, key=key)
+                         weights, specs.gen, seed, self.policy.knobs.tau, key, key=key)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
@@ -145,10 +150,9 @@ class ElasticGeneration:
             self.load[worker] = WorkerProgress(0, 0, busy=False)
             out = fut.result()
             if fut.key in self.moving:  # a recomputed continuation: its prefill is the move's
-                meta = out.schema.metadata or {}
                 released += self._landed(fut.key, {
-                    "recompute_s": float(meta.get(b"prefill_seconds", 0.0)),
-                    "recompute_tokens": int(meta.get(b"prefill_tokens", 0)), "bytes": 0,
+                    "recompute_s": out.stats.prefill_seconds,
+                    "recompute_tokens": out.stats.prefill_tokens, "bytes": 0,
                     "sequences": len(out)}, iteration)
             if isinstance(out, dict):  # a chunk: finished rows, and maybe a paused tail
                 pieces[i].append(out["done"])
@@ -213,7 +217,7 @@ class ElasticGeneration:
                  if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
-                         weights, specs.gen, key=f"resume-{iteration}-{shard}")
+                         weights, specs.gen, key=task_key("resume", iteration, shard))
             return 0
         row_of = {seq: r for r, seq in enumerate(ids)}  # a cut row is its tail's position
         plans = []
@@ -231,7 +235,7 @@ class ElasticGeneration:
         sent = None
         if any(choice.path == "transfer" for *_, choice, _ in plans):
             sent = client.submit(export_tail_task, key, workers=[source], pure=False,
-                                 key=f"export-{iteration}-{shard}")
+                                 key=task_key("export", iteration, shard))
             self.exports.setdefault(worker, []).append(sent)
         else:
             client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
@@ -253,24 +257,26 @@ class ElasticGeneration:
         """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
         ``rows`` on the source when the tail is split) or its prefix recomputed there, then
         decoded to the end. Returns the key of the future that says the move landed."""
-        load, tag = self.load_of(part, part), f"{iteration}-{shard}-{j}"
+        load, continued = self.load_of(part, part), task_key("continue", iteration, shard, j)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
             self._submit(shard, target, load, self.tasks.continue_task, part, weights,
-                         specs.gen, seed * 7919 + shard * 31 + j, key=f"continue-{tag}")
-            return f"continue-{tag}"
+                         specs.gen, seed, key=continued)
+            return continued
         client, at = self.pc.client, [self.pc.address_of(target)]
+        paused = task_key("moved", iteration, shard, j)  # the tail's name on the target
         if choice.path == "transfer":
             tail = sent if rows == list(range(n_tail)) else client.submit(
                 take_tail_task, sent, rows, workers=[self.pc.address_of(source)], pure=False,
-                key=f"take-{tag}")
-            adopt = (adopt_tails_task, [tail], f"moved-{tag}", weights, specs.gen)
+                key=task_key("take", iteration, shard, j))
+            adopt = (adopt_tails_task, [tail], paused, weights, specs.gen)
         else:
-            adopt = (adopt_tails_task, [], f"moved-{tag}", weights, specs.gen, (), part)
+            adopt = (adopt_tails_task, [], paused, weights, specs.gen, (), part)
         adopted = client.submit(*adopt, workers=at, resources={"GEN": 1},
-                                allow_other_workers=False, pure=False, key=f"adopt-{tag}")
+                                allow_other_workers=False, pure=False,
+                                key=task_key("adopt", iteration, shard, j))
         self.ac.add(adopted)
         self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
-                     key=f"continue-{tag}")
+                     key=continued)
         return adopted.key
 
     def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:
@@ -283,7 +289,7 @@ class ElasticGeneration:
         tokens = record["context_tokens"]
         # a continuation's own prefill reaches the throughput model with its rollouts
         self.policy.observe_move(path, tokens, facts["bytes"], actual,
-                                 learn_prefill=key.startswith("adopt-"))
+                                 learn_prefill=stage_of(key) == "adopt")
         self.log(iteration, **record, actual_s=actual, bytes=facts["bytes"],
                  landed_sequences=facts["sequences"])
         source = record["source"]
@@ -293,16 +299,15 @@ class ElasticGeneration:
         self.exports.pop(source, None)
         return self._release_if_idle(source, iteration) if source in self.load else []
 
-    def _score(self, pieces: list[pa.Table], specs, iteration: int, shard: int):
-        rollouts = pa.concat_tables([p.replace_schema_metadata(None) for p in pieces])
-        stats = {k: str(v) for k, v in generation_metrics(pieces).items()}
+    def _score(self, pieces: list[Generated], specs, iteration: int, shard: int):
         client = self.pc.client
         # on the trainer, so that generation workers are free to be released
-        scored = client.submit(reward_task, rollouts.replace_schema_metadata(stats),
-                               specs.reward, key=f"reward-{iteration}-{shard}",
+        scored = client.submit(reward_task, Generated.concat(pieces),
+                               specs.reward, key=task_key("reward", iteration, shard),
                                resources={"TRAIN": 1})
         return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
-                             key=f"advantage-{iteration}-{shard}", resources={"TRAIN": 1})
+                             key=task_key("advantage", iteration, shard),
+                             resources={"TRAIN": 1})
 
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:
@@ -323,14 +328,15 @@ class ElasticGeneration:
                             f"{self.policy.keep_alive_s():.2f} s")
         return retired
 
-    def after_update(self, update_seconds: float, pieces_meta: list[dict]) -> None:
-        """Feed the policy with what this iteration measured."""
+    def after_update(self, update_seconds: float, shards: list[GenerationStats]) -> None:
+        """Feed the policy with what this iteration measured (``shards``: each shard's
+        generation statistics)."""
         self.policy.observe_after_generation(update_seconds)
-        for meta in pieces_meta:
-            steps = meta.get("decode_steps", 0)
+        for stats in shards:
+            steps = stats.decode_steps
             if steps:
-                self.policy.observe_decode(meta["decode_tokens"] / steps,
-                                           meta["decode_seconds"] / steps, n_steps=int(steps))
-            if meta.get("prefill_tokens") and meta.get("prefill_seconds"):
-                self.policy.observe_prefill(meta["prefill_tokens"], meta["prefill_seconds"])
+                self.policy.observe_decode(stats.decode_tokens / steps,
+                                           stats.decode_seconds / steps, n_steps=steps)
+            if stats.prefill_tokens and stats.prefill_seconds:
+                self.policy.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
         self.policy.observe_cold_starts(self.pc.ledger.cold_starts("gen"))

@@ -39,7 +39,9 @@ import pyarrow as pa
 from distributed import get_task_stream
 
 from rlhfless.ops import emulated_backend as emu
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.prefix_dedup import plan_prefixes
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -53,9 +55,10 @@ from .config import Config
 from .deploy import LocalDeployment
 from .elastic import ElasticGeneration
 from .runs import RunDir
-from .workers import RewardSpec, advantage_task, reward_task
+from .scoring_tasks import RewardSpec, advantage_task, reward_task
+from .task_keys import stage_of, task_key
 
-EMULATED_TASKS = ("generate", "resume", "continue", "update")  # key prefixes of emulated work
+EMULATED_TASKS = ("generate", "resume", "continue", "update")  # stages of emulated work
 
 
 class EmulatedClockLedger(CostLedger):
@@ -200,21 +203,23 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
     for i, (shard, worker) in enumerate(zip(shards, workers)):
         if len(shard) == 0:
             continue
-        rollouts = pc.client.submit(emu.generate_task, shard, weights, specs.gen, seed + i,
-                                    key=f"generate-{iteration}-{i}", resources={"GEN": 1},
+        rollouts = pc.client.submit(emu.generate_task, shard, weights, specs.gen,
+                                    generation_seed(seed, iteration),
+                                    key=task_key("generate", iteration, i), resources={"GEN": 1},
                                     workers=[pc.address_of(worker)], allow_other_workers=False,
                                     pure=False)
         scored = pc.client.submit(reward_task, rollouts, specs.reward,
-                                  key=f"reward-{iteration}-{i}", resources={"TRAIN": 1})
+                                  key=task_key("reward", iteration, i), resources={"TRAIN": 1})
         out.append(pc.client.submit(advantage_task, scored, cfg.algorithm, cfg.n_samples,
-                                    key=f"advantage-{iteration}-{i}", resources={"TRAIN": 1}))
+                                    key=task_key("advantage", iteration, i),
+                                    resources={"TRAIN": 1}))
     return out
 
 
 def _uncovered(stream: list[dict], t0: float, t1: float) -> float:
     """Wall seconds of [t0, t1] during which no emulated task was computing."""
     spans = sorted((max(s["start"], t0), min(s["stop"], t1)) for task in stream
-                   if str(task["key"]).split("-")[0].strip("('\"") in EMULATED_TASKS
+                   if stage_of(task["key"]) in EMULATED_TASKS
                    for s in task["startstops"] if s["action"] == "compute")
     covered, end = 0.0, t0
     for a, b in spans:
@@ -266,34 +271,31 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
         for batch in trace.batches:
             it, t0, scaled0 = batch.iteration, time.time(), pc.scaling_wall_s
             table = prompts_table(batch, cfg.seed)
-            seed = cfg.seed * 1_000_003 + it
             with get_task_stream(pc.client) as stream:
                 if elastic:
-                    _, trainables, facts = eg.run_generation(table, weights, it, specs, seed)
+                    _, trainables, facts = eg.run_generation(table, weights, it, specs,
+                                                             cfg.seed)
                 else:
                     trainables, facts = _static_generation(pc, cfg, table, weights, it, specs,
-                                                           seed), {}
+                                                           cfg.seed), {}
                 update = pc.client.submit(emu.update_task, trainables, weights, specs.train,
-                                          key=f"update-{it}", resources={"TRAIN": 1})
+                                          key=task_key("update", it), resources={"TRAIN": 1})
                 published = pc.client.submit(emu.publish_task, update, weights.version + 1,
-                                             key=f"publish-{it}", resources={"TRAIN": 1})
+                                             key=task_key("publish", it), resources={"TRAIN": 1})
                 tables, metrics, weights = pc.client.gather([trainables, update, published])
             t1 = time.time()
             if elastic:
-                eg.after_update(metrics["update_seconds"], [
-                    {k.decode(): float(v) for k, v in (t.schema.metadata or {}).items()}
-                    for t in tables])
-            rows = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+                eg.after_update(metrics["update_seconds"], [t.stats for t in tables])
+            rows = Generated.concat(tables).table
             ids = rows.column("prompt_id").to_pylist()
             state.predictor.observe(ids, [len(r) for r in rows.column("response_ids")
                                           .to_pylist()])
             pc.sync_events()
             ledger.mark("iteration", it, t0, t1)
             overhead = _uncovered(stream.data, t0, t1)
-            path = max(float(t.schema.metadata[b"gen_seconds"]) for t in tables) \
-                + metrics["update_seconds"]
-            late = max((float(t.schema.metadata.get(b"late_wall_s", 0)) for t in tables),
-                       default=0.0) + metrics["late_wall_s"]
+            path = max(t.stats.gen_seconds for t in tables) + metrics["update_seconds"]
+            late = max((t.stats.late_wall_s for t in tables), default=0.0) \
+                + metrics["late_wall_s"]
             memory = worker_memory()
             if memory["rss_gib"] > peak["rss_gib"]:
                 peak = memory

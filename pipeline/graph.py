@@ -4,8 +4,8 @@
                    ├─ generate[1] ─ reward[1] ─ advantage[1] ─┼─ update ─ publish
                    └─ ...                                      ┘
 
-Keys are ``<stage>-<iteration>[-<shard>]``, so ``dask.utils.key_split`` recovers the stage
-for timings and for colouring the rendered graph. Placement, by annotation (Dask
+Keys are ``<stage>-<iteration>[-<shard>]`` (``task_keys.py``), so the stage of each task is
+read back for timings and for colouring the rendered graph. Placement, by annotation (Dask
 resources): dedup and shard run on the ``TRAIN`` worker, generate, reward and advantage on
 the generation pool (``GEN``), update and publish on ``TRAIN``. The trainer is idle when a
 batch's generation is submitted (between updates; in async mode the runner waits for the
@@ -27,18 +27,13 @@ from dask.delayed import Delayed, delayed
 
 from rlhfless.ops.prefix_dedup import PrefixPlan, plan_prefixes
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import split_balanced
 
-from .workers import (
-    GenSpec,
-    RewardSpec,
-    TrainSpec,
-    advantage_task,
-    generate_task,
-    publish_task,
-    reward_task,
-    update_task,
-)
+from .rollout_tasks import GenSpec, generate_task
+from .scoring_tasks import RewardSpec, advantage_task, reward_task
+from .task_keys import task_key
+from .trainer_tasks import TrainSpec, publish_task, update_task
 
 STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
 # one colour per stage, shared by the rendered graph and the report's plots
@@ -51,7 +46,7 @@ STAGE_COLOURS = {
 @dataclass(frozen=True)
 class IterationGraph:
     plan: Delayed  # PrefixPlan
-    trainables: list[Delayed]  # one table per shard
+    trainables: list[Delayed]  # one Generated (trainable table + statistics) per shard
     metrics: Delayed  # dict from the update
     weights: Delayed  # WeightsRef of the new version
 
@@ -68,23 +63,24 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   tag: str = "", target_version: int | None = None,
                   ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """dedup → shard → generate → reward for ``prompts``; returns (plan, shards, scored
-    shards). ``target_version``: the trainer version that consumes them (async mode; see
-    ``generate_task``)."""
-    it = f"{tag}{iteration}"
+    shards). ``seed``: the run's; every shard generates under ``generation_seed(seed,
+    iteration)``. ``target_version``: the trainer version that consumes them (async mode;
+    see ``generate_task``)."""
+    gen_seed = generation_seed(seed, iteration)
     with dask.annotate(resources={"TRAIN": 1}):
         plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
-                                      dask_key_name=f"{tag}dedup-{it}")
-        split = delayed(_shard_plan, nout=n_shards)(plan, n_shards,
-                                                    dask_key_name=f"{tag}shard-{it}")
+                                      dask_key_name=task_key("dedup", iteration, tag=tag))
+        split = delayed(_shard_plan, nout=n_shards)(
+            plan, n_shards, dask_key_name=task_key("shard", iteration, tag=tag))
         shards = [split[i] for i in range(n_shards)]
     scored = []
     with dask.annotate(resources={"GEN": 1}):
         for i, shard in enumerate(shards):
-            rollouts = delayed(generate_task)(shard, weights, gen, seed * 100_003 + i,
-                                              target_version,
-                                              dask_key_name=f"{tag}generate-{it}-{i}")
-            scored.append(delayed(reward_task)(rollouts, reward,
-                                               dask_key_name=f"{tag}reward-{it}-{i}"))
+            rollouts = delayed(generate_task)(
+                shard, weights, gen, gen_seed, target_version,
+                dask_key_name=task_key("generate", iteration, i, tag=tag))
+            scored.append(delayed(reward_task)(
+                rollouts, reward, dask_key_name=task_key("reward", iteration, i, tag=tag)))
     return plan, shards, scored
 
 
@@ -100,7 +96,7 @@ def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     with dask.annotate(resources={"GEN": 1}):
         trainables = [
             delayed(advantage_task)(s, algorithm, gen.n_samples,
-                                    dask_key_name=f"advantage-{iteration}-{i}")
+                                    dask_key_name=task_key("advantage", iteration, i))
             for i, s in enumerate(scored)
         ]
     return plan, shards, trainables
@@ -114,7 +110,7 @@ def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                                           algorithm=algorithm, seed=seed, min_prefix=min_prefix)
     with dask.annotate(resources={"TRAIN": 1}):
         metrics = delayed(update_task)(trainables, weights, train,
-                                       dask_key_name=f"update-{iteration}")
+                                       dask_key_name=task_key("update", iteration))
         new_weights = delayed(publish_task)(metrics, train, weights.version + 1,
-                                            dask_key_name=f"publish-{iteration}")
+                                            dask_key_name=task_key("publish", iteration))
     return IterationGraph(plan, trainables, metrics, new_weights)

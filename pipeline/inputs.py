@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .config import Config, ConfigError
-from .workers import VERIFIERS, resolve_reward
+from .scoring_tasks import VERIFIERS, resolve_reward
 
 
 def check_inputs(cfg: Config) -> None:

@@ -1,8 +1,9 @@
 """Per-iteration metrics, computed from the tables and task timings an iteration produced.
 
 Stage seconds come from Dask's own task stream (each task's compute start and stop on its
-worker), grouped by the stage name in the key (``generate-3-1`` → ``generate``): ``wall`` is
-first start to last stop, ``busy`` the sum over that stage's tasks.
+worker), grouped by the stage of the key (``task_keys.stage_of``: ``generate-3-1`` →
+``generate``; Dask's own tasks left out): ``wall`` is first start to last stop, ``busy`` the
+sum over that stage's tasks.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from collections import defaultdict
 
 import numpy as np
 import pyarrow as pa
-from dask.utils import key_split
 
 from rlhfless.ops.advantage import advantage_summary
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.reward import reward_error_counts, reward_summary
+
+from .task_keys import stage_of
 
 
 def rollout_metrics(scored: pa.Table) -> dict:
@@ -42,23 +45,14 @@ def rollout_metrics(scored: pa.Table) -> dict:
     return out
 
 
-def generation_metrics(tables: list[pa.Table]) -> dict:
-    """Sums of the statistics each generate task left in its table's schema metadata."""
-    totals: dict[str, float] = defaultdict(float)
-    for table in tables:
-        for key, value in (table.schema.metadata or {}).items():
-            totals[key.decode()] += float(value)
-    return dict(totals)
-
-
 def iteration_record(iteration: int, version: int, started: float, plan,
-                     trainables: list[pa.Table], update: dict,
+                     trainables: list[Generated], update: dict,
                      stream: list[dict]) -> tuple[dict, pa.Table]:
     """The metrics record of one iteration that trained policy ``version`` on the shards
-    ``trainables`` (prefill savings from the dedup ``plan``, stage seconds from the task
-    ``stream``), and the shards as one table."""
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in trainables])
-    gen = generation_metrics(trainables)
+    ``trainables`` (their generation statistics summed, prefill savings from the dedup
+    ``plan``, stage seconds from the task ``stream``), and the shards as one table."""
+    whole = Generated.concat(trainables)
+    table, gen = whole.table, whole.stats.to_dict()
     record = {
         "iteration": iteration, "policy_version": version, "time": time.time(),
         "iteration_s": time.time() - started, "samples": len(table),
@@ -74,9 +68,10 @@ def stage_seconds(task_stream: list[dict]) -> dict:
     """``{"<stage>_wall_s": ..., "<stage>_busy_s": ...}`` from ``get_task_stream`` records."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for task in task_stream:
-        for ss in task.get("startstops", ()):
+        stage = stage_of(task["key"])
+        for ss in task.get("startstops", ()) if stage is not None else ():
             if ss.get("action") == "compute":
-                spans[key_split(task["key"])].append((ss["start"], ss["stop"]))
+                spans[stage].append((ss["start"], ss["stop"]))
     out = {}
     for stage, intervals in sorted(spans.items()):
         out[f"{stage}_wall_s"] = max(b for _, b in intervals) - min(a for a, _ in intervals)

@@ -77,6 +77,7 @@ import numpy as np
 import pyarrow as pa
 from distributed import Future, wait
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.offpolicy import check_staleness
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.replay import ReplayBuffer
@@ -85,8 +86,9 @@ from rlhfless.schedulers.replay_share import ReplayShare
 
 from .config import Config
 from .graph import trainable_graph
-from .metrics import generation_metrics, iteration_record
-from .workers import publish_task, update_task
+from .metrics import iteration_record
+from .task_keys import iteration_of, task_key
+from .trainer_tasks import publish_task, update_task
 
 if TYPE_CHECKING:
     from .cluster import PoolCluster
@@ -132,13 +134,6 @@ class Job:
     def futures(self) -> list[Future]:
         maybe = [self.plan, *self.shards, *self.trainables, self.update, self.published]
         return [f for f in maybe if isinstance(f, Future)]
-
-
-def _iteration_of(key) -> int | None:
-    """The iteration of a graph key (``generate-3-1`` → 3; evaluation keys → None)."""
-    name = str(key[0] if isinstance(key, tuple) else key)
-    head = name.partition("-")[2].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 class ModeRunner:
@@ -238,8 +233,7 @@ class ModeRunner:
 
     def _generate(self, i: int, target: int, weights: WeightsRef) -> Job:
         batch, replayed = self._draw(i, target)
-        seed = self.cfg.seed * 1_000_003 + i
-        submitted, shards, facts = time.time(), [], {}
+        seed, submitted, shards, facts = self.cfg.seed, time.time(), [], {}
         if self.eg is not None:  # blocking: overlaps the update already submitted
             plan, trainables, facts = self.eg.run_generation(batch, weights, i, self.specs, seed)
         else:  # the batch travels in the graph: a worker's death must not lose it
@@ -281,12 +275,13 @@ class ModeRunner:
             raise RuntimeError(f"iteration {job.iteration}: batch generated for trainer "
                                f"v{job.target}, but the trainer is at v{weights.version}")
         client = self.pc.client
-        extra = [pa.concat_tables(job.replayed)] if job.replayed else []
+        extra = [Generated(pa.concat_tables(job.replayed))] if job.replayed else []
         job.update = client.submit(update_task, [*job.trainables, *extra], weights,
-                                   self.specs.train, key=f"update-{job.iteration}",
+                                   self.specs.train, key=task_key("update", job.iteration),
                                    resources={"TRAIN": 1})
         job.published = client.submit(publish_task, job.update, self.specs.train,
-                                      weights.version + 1, key=f"publish-{job.iteration}",
+                                      weights.version + 1,
+                                      key=task_key("publish", job.iteration),
                                       resources={"TRAIN": 1})
 
     def _finish(self, job: Job, weights: WeightsRef,
@@ -295,7 +290,7 @@ class ModeRunner:
         plan, trainables, update, new_weights = client.gather(
             [job.plan, job.trainables, job.update, job.published])
         stream = [t for t in client.get_task_stream(start=job.submitted)
-                  if _iteration_of(t["key"]) == job.iteration]
+                  if iteration_of(t["key"]) == job.iteration]
         record, fresh = iteration_record(job.iteration, weights.version, started, plan,
                                          trainables, update, stream)
         where = f"iteration {job.iteration}"
@@ -313,7 +308,7 @@ class ModeRunner:
                    **job.facts}
         if self.eg is not None:
             self.eg.after_update(update["update_seconds"],
-                                 [generation_metrics([t]) for t in trainables])
+                                 [t.stats for t in trainables])
         if self.buffer is not None:
             record |= replay_diagnostics(fresh, job.replayed, weights.version)
             record["replay_share"] = len(job.replayed) / (job.prompts + len(job.replayed))

@@ -3,7 +3,7 @@
 With ``train_workers = N > 1`` every worker of the TRAIN pool is one rank. The driver forms
 the group (``form_group``) when a run starts and again whenever it recovers:
 
-    leave_task         on every trainer worker (``workers.leave_trainer_task``): drop its
+    leave_task         on every trainer worker (``trainer_tasks.leave_trainer_task``): drop its
                        trainer and its old group (``leave_group``), if any
     rendezvous_task    on the first trainer worker: a TCPStore on a port the OS picks now
                        (never a fixed port), on the worker's own host; returns (host, port)

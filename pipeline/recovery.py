@@ -23,10 +23,11 @@ The training loop uses one ``Durable`` per run:
 Restoring (resume or recover) puts back the trainer's weights, optimizer and RNG, the data
 position, the length predictor and throughput model, republishes the restored version and
 drops the records of the abandoned iterations (metrics, decisions, rollouts). Resumed runs end
-bitwise equal to uninterrupted ones on CPU with ``policy = "static"``: every random draw is
-seeded by (seed, iteration, shard), the data order by (seed, epoch) and the position. Under
-``policy = "elastic"`` the shards depend on measured timings, so a resumed run is a valid
-continuation but not a bitwise copy.
+bitwise equal to uninterrupted ones on CPU with ``policy = "static"``: every generation draw
+is keyed by (seed, iteration, prompt, sample) (``ops/seeds.py``), the data order by (seed,
+epoch) and the position. Under ``policy = "elastic"`` the shards and the order in which they
+reach the update depend on measured timings, so a resumed run is a valid continuation but
+not a bitwise copy.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config
 from .ranks import form_group, on_ranks
 from .runs import RunDir
-from .workers import (
+from .trainer_tasks import (
     TrainSpec,
     leave_trainer_task,
     publish_task,

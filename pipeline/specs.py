@@ -24,8 +24,11 @@ from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
 from rlhfless.ops.update import UpdateParams
 
 from .config import Config, ConfigError
+from .engines import EngineSpec
+from .rollout_tasks import GenSpec
 from .runs import RunDir
-from .workers import EngineSpec, GenSpec, RewardSpec, TrainSpec
+from .scoring_tasks import RewardSpec
+from .trainer_tasks import TrainSpec
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,14 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 from distributed import wait
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
 
 from .cluster import PoolCluster
+from .rollout_tasks import GenSpec, generate_chunk_task, resume_task
 from .tail_tasks import adopt_tails_task, export_tail_task, move_actual_s, set_threads_task
-from .workers import GenSpec, generate_chunk_task, resume_task
+from .task_keys import task_key
 
 MODES = ("static", "recompute", "kv", "reconfig")
 
@@ -67,8 +69,8 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     threads = dict.fromkeys(names, pc.pools["gen"].threads)
     widened: dict[str, float] = {}  # worker -> when its threads were raised
     until = 1.0 if mode == "static" else tau
-    chunks = {n: c.submit(generate_chunk_task, s, weights, spec, 11 + i, until,
-                          f"{tag}-{n}", workers=[addr[n]], pure=False, key=f"{tag}-chunk-{n}")
+    chunks = {n: c.submit(generate_chunk_task, s, weights, spec, 11, until, f"{tag}-{n}",
+                          workers=[addr[n]], pure=False, key=task_key("chunk", 0, i, tag=tag))
               for i, (n, s) in enumerate(zip(names, shards))}
     wait(list(chunks.values()))
     outs = {n: f.result() for n, f in chunks.items()}
@@ -107,7 +109,7 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
         pc.retire(released)
     done += [f.result() for f in rest]
     # the last rollout's end on its worker: a retirement still winding down is not generation
-    ended = max(max(t.column("gen_end").to_pylist(), default=started) for t in done)
+    ended = max(max(t.table.column("gen_end").to_pylist(), default=started) for t in done)
     for n in widened:  # back to the pool's threads for whatever runs next
         c.submit(set_threads_task, pc.pools["gen"].threads, workers=[addr[n]],
                  pure=False).result()
@@ -116,7 +118,7 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
                 - pc.ledger.worker_seconds("gen", until=started))
     extra_core_s = sum((threads[n] - pc.pools["gen"].threads) * (ended - t)
                        for n, t in widened.items())
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in done])
+    table = Generated.concat(done).table
     return {"rollouts": table, "generation_s": ended - started, "worker_s": worker_s,
             "core_s": worker_s * pc.pools["gen"].threads + extra_core_s,
             "released": released, "decision": decision}

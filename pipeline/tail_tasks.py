@@ -1,6 +1,6 @@
 """Graph tasks that move a paused tail's KV cache from one generation worker to another.
 
-A chunk (``workers.generate_chunk_task``) leaves its unfinished sequences paused on its
+A chunk (``rollout_tasks.generate_chunk_task``) leaves its unfinished sequences paused on its
 worker under a key. To continue them elsewhere *with* their KV cache:
 
 1. ``export_tail_task(key)`` runs on the source worker; its result, a ``TailKV``
@@ -9,7 +9,7 @@ worker under a key. To continue them elsewhere *with* their KV cache:
    fetches its argument from the source worker directly (worker to worker, never through
    the driver), and the task rebuilds the batch there, paused under ``new_key``, together
    with any tails already paused on the target (``local``: PAT's consolidation);
-3. ``workers.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
+3. ``rollout_tasks.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
    that never moved.
 
 A tail split over several targets is cut on the source first (``take_tail_task``: each
@@ -31,17 +31,19 @@ import time
 import pyarrow as pa
 import torch
 
-from rlhfless.ops.generate import GenerationStats, SamplingParams, prefill_prompts, run_decoding
+from rlhfless.ops.gen_stats import Generated, GenerationStats
+from rlhfless.ops.generate import SamplingParams, prefill_prompts, run_decoding
 from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail, take_tail
 from rlhfless.ops.publish import WeightsRef, require_version
 
-from .workers import _PAUSED, GenSpec, _hf_engine, _worker_name, resume_task
+from .engines import worker_name
+from .rollout_tasks import PAUSED, GenSpec, hf_engine, resume_task
 
 
 def _take_paused(key: str) -> TailKV:
-    entry = _PAUSED.pop(key, None)
+    entry = PAUSED.pop(key, None)
     if entry is None:
-        raise KeyError(f"worker {_worker_name()} holds no paused decoding {key!r} "
+        raise KeyError(f"worker {worker_name()} holds no paused decoding {key!r} "
                        "(never paused here, already moved, or the worker restarted)")
     dec, rows, start = entry
     return export_tail(dec, rows, start)
@@ -62,17 +64,17 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     export to this task's start (``transfer_s``: scheduling and the worker-to-worker
     fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
     arrived = time.time()
-    engine, cold = _hf_engine(spec.engine, weights)
-    require_version(engine.version, weights.version, f"worker {_worker_name()}")
+    engine, cold = hf_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {worker_name()}")
     own = [_take_paused(k) for k in local]
     stats = GenerationStats()
     if recompute is not None and len(recompute):
         own.append(recompute_tail(engine.model, recompute, spec.sampling,
                                   engine.tokenizer.pad_token_id, stats))
     dec, rows = import_tail(engine.model, own + list(tails))
-    _PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
+    PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
     exported = max((t.exported_at for t in tails), default=arrived)
-    return {"worker": _worker_name(), "key": key, "sequences": len(rows),
+    return {"worker": worker_name(), "key": key, "sequences": len(rows),
             "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
             "context_tokens": sum(t.context_tokens for t in tails),
             "transfer_s": max(0.0, arrived - exported),
@@ -86,7 +88,7 @@ def take_tail_task(tail: TailKV, positions: list[int]) -> TailKV:
     return take_tail(tail, positions)
 
 
-def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> pa.Table:
+def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Generated:
     """On the target: finish the decoding ``adopt_tails_task`` paused here (its ``facts``,
     which make this task wait for the adoption)."""
     return resume_task(facts["key"], weights, spec)
@@ -116,7 +118,7 @@ def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, .
     """Decode step seconds of this worker's engine by (batch, threads): each batch of
     ``prompt_tokens``-token prompts decodes ``steps`` tokens (no EOS stop), best of two.
     The worker's torch threads are restored afterwards."""
-    engine, _ = _hf_engine(spec.engine, weights)
+    engine, _ = hf_engine(spec.engine, weights)
     model, pad = engine.model, engine.tokenizer.pad_token_id
     params = SamplingParams(max_new_tokens=steps, greedy=True)
     before = torch.get_num_threads()

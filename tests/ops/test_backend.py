@@ -20,6 +20,7 @@ from rlhfless.ops.generate import SamplingParams, generate_rollouts
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef, publish_weights
 from rlhfless.ops.schema import ROLLOUTS, check_columns
+from rlhfless.ops.seeds import prompt_seeds
 from rlhfless.ops.vllm_backend import VLLMBackend, WeightLoader
 
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
@@ -112,10 +113,10 @@ class FakeLLM:
     def get_tokenizer(self):
         return self.tok
 
-    def generate(self, prompts, sp, use_tqdm=True):
-        self.calls.append(("generate", len(prompts), sp))
+    def generate(self, prompts, requests, use_tqdm=True):
+        self.calls.append(("generate", len(prompts), requests))
         outs = []
-        for j, prompt in enumerate(prompts):
+        for j, (prompt, sp) in enumerate(zip(prompts, requests, strict=True)):
             first = prompt["prompt_token_ids"][0]
             comps = [FakeCompletion(i, [first + i, 7], [{first + i: FakeLogprob(-0.5)},
                                                        {7: FakeLogprob(-0.25)}],
@@ -169,9 +170,12 @@ def test_vllm_generate_asks_n_samples_with_one_logprob_and_keeps_prompt_order(fa
     backend.load()
     table, stats = backend.generate(_ids_table([[10, 1, 2], [20, 1, 2]]), 3, PARAMS,
                                     worker="gen-0")
-    (_, n_prompts, sp), = backend.llm.calls
-    assert n_prompts == 2 and sp.n == 3 and sp.logprobs == 0
-    assert sp.max_tokens == 12 and sp.temperature == 1.0 and sp.seed == 3 and sp.top_p == 1
+    (_, n_prompts, requests), = backend.llm.calls
+    assert n_prompts == 2 and [sp.seed for sp in requests] == prompt_seeds(3, ["q0", "q1"])
+    assert requests[0].seed != requests[1].seed
+    for sp in requests:
+        assert sp.n == 3 and sp.logprobs == 0
+        assert sp.max_tokens == 12 and sp.temperature == 1.0 and sp.top_p == 1
     check_columns(table, ROLLOUTS, "vllm backend")
     assert table.column("prompt_id").to_pylist() == ["q0"] * 3 + ["q1"] * 3
     assert table.column("sample_idx").to_pylist() == [0, 1, 2] * 2

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 
 from rlhfless.ops import emulated_backend as emu
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.schema import ROLLOUTS
 from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.sim_engine import simulate_run
@@ -51,11 +52,12 @@ def _expected(lengths: list[list[int]], prompt_len: int = 30, t0: float = 0.0):
 def test_generate_takes_the_profiles_time_and_the_traces_lengths():
     lengths = [[40, 80, 120, 500], [10, 20, 30, 40]]
     started = time.time()
-    table = emu.generate_task(_shard(lengths), emu.EmulatedWeights(1), _spec(), seed=0)
+    out = emu.generate_task(_shard(lengths), emu.EmulatedWeights(1), _spec(), seed=0)
     wall = time.time() - started
     expected = _expected(lengths, t0=PROFILE.sync_s)  # version 1 is fetched first
-    meta = {k.decode(): float(v) for k, v in table.schema.metadata.items()}
-    assert meta["gen_seconds"] == pytest.approx(expected.t_finish)
+    table = out.table
+    assert out.stats.gen_seconds == pytest.approx(expected.t_finish)
+    assert out.stats.decode_steps == expected.n_steps and out.stats.late_wall_s >= 0
     assert expected.t_finish * SCALE <= wall <= expected.t_finish * SCALE + 0.5
     assert table.schema.equals(ROLLOUTS)
     assert [len(r) for r in table.column("response_ids").to_pylist()] == sum(lengths, [])
@@ -68,14 +70,15 @@ def test_chunk_then_resume_is_the_whole_schedule():
     lengths = [[40, 80, 120, 500], [10, 20, 30, 50]]
     weights, spec = emu.EmulatedWeights(0), _spec()
     out = emu.generate_chunk_task(_shard(lengths), weights, spec, 0, 0.5, key="k")
-    assert len(out["done"]) == 4 and len(out["cut"]) == 4
-    assert sorted(len(r) for r in out["done"].column("response_ids").to_pylist()) == \
-        [10, 20, 30, 40]
+    done = out["done"].table
+    assert len(done) == 4 and len(out["cut"]) == 4
+    assert sorted(len(r) for r in done.column("response_ids").to_pylist()) == [10, 20, 30, 40]
     rest = emu.resume_task("k", weights, spec)
     whole = _expected(lengths)
-    seconds = [float(t.schema.metadata[b"gen_seconds"]) for t in (out["done"], rest)]
-    assert sum(seconds) == pytest.approx(whole.t_finish)
-    got = pa.concat_tables([out["done"], rest])
+    both = out["done"].stats.merge(rest.stats)
+    assert both.gen_seconds == pytest.approx(whole.t_finish)
+    assert both.decode_tokens == int(whole.batch.sum())
+    got = pa.concat_tables([done, rest.table])
     assert sorted(zip(got.column("prompt_id").to_pylist(), got.column("sample_idx").to_pylist(),
                       (len(r) for r in got.column("response_ids").to_pylist()))) == sorted(
         (f"p{g}", s, lengths[g][s]) for g in range(2) for s in range(N))
@@ -93,8 +96,9 @@ def test_a_moved_tail_recomputes_its_prefix_and_finishes_elsewhere():
     moved = emu.continue_task(cut, weights, spec, seed=1)
     expected = simulate_run(0.0, np.arange(2), np.array([40, 420]), np.array([110, 110]),
                             np.array([110.0, 110.0]), PROFILE, 1024)
-    assert float(moved.schema.metadata[b"gen_seconds"]) == pytest.approx(expected.t_finish)
-    assert [len(r) for r in moved.column("response_ids").to_pylist()] == [120, 500]
+    assert moved.stats.gen_seconds == pytest.approx(expected.t_finish)
+    assert moved.stats.prefill_tokens == 220  # prompt + generated, recomputed
+    assert [len(r) for r in moved.table.column("response_ids").to_pylist()] == [120, 500]
 
 
 def test_the_update_takes_the_learners_time():
@@ -102,7 +106,7 @@ def test_the_update_takes_the_learners_time():
                      "response_ids": pa.array([[0] * 300] * 8, pa.list_(pa.int32())),
                      "reward": pa.array([1.0, 0.0] * 4)})
     spec = emu.EmulatedTrainSpec(PROFILE, train_gpus=16, time_scale=SCALE)
-    metrics = emu.update_task([rows], emu.EmulatedWeights(0), spec)
+    metrics = emu.update_task([Generated(rows)], emu.EmulatedWeights(0), spec)
     tokens = 8 * 400
     assert metrics["update_seconds"] == pytest.approx(
         PROFILE.forward_seconds(tokens, 16) + PROFILE.update_seconds(tokens, 16))

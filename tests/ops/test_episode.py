@@ -40,7 +40,7 @@ def turn_tokenizer(model64, tokenizer, make_prompts):
 def play(model, tok, prompts, env="episode_envs:Scripted", n=2, greedy=False, **kw):
     params = EpisodeParams(env, **({"max_turns": 4, "max_turn_tokens": 24,
                                     "max_episode_tokens": 120} | kw))
-    return run_episodes(model, tok, prompts, n, SamplingParams(24, greedy=greedy, seed=3),
+    return run_episodes(model, tok, prompts, n, SamplingParams(24, greedy=greedy, seed=5),
                         params, policy_version=0)
 
 

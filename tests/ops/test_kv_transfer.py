@@ -1,6 +1,6 @@
 """A paused tail exported and imported (``ops/kv_transfer.py``) decodes on as if never
-paused: same tokens under greedy decoding and under sampling (the generator state moves),
-same behaviour log-probabilities, in float64."""
+paused: same tokens under greedy decoding and under sampling (each sequence's draws are
+keyed by the sequence, ``ops/seeds.py``), same behaviour log-probabilities, in float64."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlhfless.ops.generate import SamplingParams, decode, prefill_prompts, run_decoding
+from rlhfless.ops.generate import (
+    SamplingParams,
+    decode,
+    expand_samples,
+    prefill_prompts,
+    run_decoding,
+)
 from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail, take_tail
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.tinytask import make_prompt
@@ -108,7 +114,7 @@ def test_recomputed_tail_continues_like_the_transferred_one(eos64, tokenizer, sh
     params = SamplingParams(max_new_tokens=40, greedy=True)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     tail = dec.live.tolist()
-    every = shard.take([i // N_SAMPLES for i in range(len(dec.tokens))])
+    every = expand_samples(shard, N_SAMPLES)
     cut = every.take(tail).append_column("partial_ids", pa.array([dec.tokens[s] for s in tail]))
     cut = cut.append_column("partial_logprobs", pa.array([dec.logprobs[s] for s in tail]))
     sent = export_tail(dec, every, 0.0)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.pipeline.cluster import ADAPT_INTERVAL_S, Pool, PoolCluster
 from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.loop import train
-from rlhfless.pipeline.workers import (
-    EngineSpec,
+from rlhfless.pipeline.rollout_tasks import (
     GenSpec,
     continue_task,
     drop_task,
@@ -36,8 +36,8 @@ def cluster():
         yield pc
 
 
-def _pairs(tables: list[pa.Table]) -> Counter:
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+def _pairs(tables: list[Generated]) -> Counter:
+    table = Generated.concat(tables).table
     return Counter(zip(table.column("prompt_id").to_pylist(),
                        table.column("sample_idx").to_pylist()))
 
@@ -67,13 +67,13 @@ def test_cut_then_resume_or_migrate_yields_each_sample_once(cluster, tiny_model_
         halves = [cut.slice(0, len(cut) // 2), cut.slice(len(cut) // 2)]
         rest = [c.submit(continue_task, h, weights, spec, 7, workers=[b], pure=False).result()
                 for h in halves]
-        assert set(pa.concat_tables(rest).column("worker").to_pylist()) == {
+        assert set(Generated.concat(rest).table.column("worker").to_pylist()) == {
             cluster.worker_names("gen")[1]}
     else:
         rest = [c.submit(resume_task, key, weights, spec, workers=[a], pure=False).result()]
     pairs = _pairs([out["done"], *rest])
     assert len(pairs) == len(shard) * N_SAMPLES and set(pairs.values()) == {1}
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in rest])
+    table = Generated.concat(rest).table
     partial = {(p, s): g for p, s, g in zip(cut.column("prompt_id").to_pylist(),
                                              cut.column("sample_idx").to_pylist(),
                                              cut.column("partial_ids").to_pylist())}

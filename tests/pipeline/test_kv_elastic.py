@@ -1,17 +1,18 @@
 """KV moves inside the training loop's elastic generation, on a real LocalCluster.
 
 ``ElasticGeneration.run_generation`` (one iteration's generation, scoring and advantages)
-on two float64 generation workers under greedy decoding: the policy moves a paused tail
-to the other worker with its KV cache (the test's policy moves every paused tail, and priors
-make the transfer the cheaper path, so the move is certain; the planner's own choices are
-tested in tests/schedulers; the scaling and the transfer-or-recompute choice are the real
-ones here), the rollouts equal
-uninterrupted decoding token for token, every (prompt, sample) comes out once, and
-``decisions.jsonl`` records each move's path, predicted and actual seconds and bytes, which
-the policy has learned from. A short training run on the long-tail task (``task =
-"tally-long"``) returns every (prompt, sample) once and logs whatever moves its policy
-plans the same way (slow; at this size and load the real policy often plans none: one
-worker at lambda 0.5, and no move that pays at lambda 1)."""
+on two float64 generation workers, sampling: the policy moves a paused tail to the other
+worker with its KV cache (the test's policy moves every paused tail, and priors make the
+transfer the cheaper path, so the move is certain; the planner's own choices are tested in
+tests/schedulers; the scaling and the transfer-or-recompute choice are the real ones here),
+the rollouts equal uninterrupted decoding of the whole batch on one worker token for token
+(every draw is keyed by the run seed, the iteration, the prompt and the sample:
+``ops/seeds.py``), every (prompt, sample) comes out once, and ``decisions.jsonl`` records
+each move's path, predicted and actual seconds and bytes, which the policy has learned from.
+A short training run on the long-tail task (``task = "tally-long"``) returns every (prompt,
+sample) once and logs whatever moves its policy plans the same way (slow; at this size and
+load the real policy often plans none: one worker at lambda 0.5, and no move that pays at
+lambda 1)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
+from rlhfless.ops.seeds import generation_seed
 from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.elastic import ElasticGeneration
 from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.rollout_tasks import generate_chunk_task, hf_engine
 from rlhfless.pipeline.runs import RunDir
 from rlhfless.pipeline.specs import make_specs
-from rlhfless.pipeline.workers import _hf_engine, generate_chunk_task
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.migration import Migration
 from rlhfless.schedulers.policy import ElasticPolicy
@@ -57,7 +60,7 @@ class MovingPolicy(ElasticPolicy):
 
 
 def _float64_engine(spec, weights) -> str:
-    engine, _ = _hf_engine(spec.engine, weights)
+    engine, _ = hf_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 
@@ -77,7 +80,7 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
     run = RunDir.create(cfg)
     specs = make_specs(cfg, eos_model_dir, run)
     specs = dataclasses.replace(specs, gen=dataclasses.replace(
-        specs.gen, sampling=SamplingParams(MAX_NEW, greedy=True)))
+        specs.gen, sampling=SamplingParams(MAX_NEW, temperature=1.0)))
     weights = WeightsRef(0, str(eos_model_dir))
     from transformers import AutoTokenizer
 
@@ -91,7 +94,8 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
             assert c.submit(_float64_engine, specs.gen, weights, workers=[a],
                             pure=False).result() == "torch.float64"
         prompts = plan_prefixes(batch, N_SAMPLES, cfg.min_prefix).prompts
-        whole = c.submit(generate_chunk_task, prompts, weights, specs.gen, 0, 1.0, "whole",
+        whole = c.submit(generate_chunk_task, prompts, weights, specs.gen,
+                         generation_seed(0, 1), 1.0, "whole",
                          workers=[addrs[0]], pure=False).result()
         assert len(whole["cut"]) == 0
         policy = MovingPolicy(cfg.elastic_knobs(), transfer=TransferModel(
@@ -99,8 +103,8 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
         eg = ElasticGeneration(pc, cfg, run, policy)
         _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
         tables = c.gather(trainables)
-    got = _pairs(pa.concat_tables([t.replace_schema_metadata(None) for t in tables]))
-    reference = _pairs(whole["done"].replace_schema_metadata(None))
+    got = _pairs(Generated.concat(tables).table)
+    reference = _pairs(whole["done"].table)
     assert got.keys() == reference.keys() and len(got) == len(batch) * N_SAMPLES
     for pair, (ids, lps) in reference.items():
         assert got[pair][0] == ids, pair  # token for token

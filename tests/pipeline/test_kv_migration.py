@@ -11,22 +11,17 @@ import os
 import time
 from collections import Counter
 
-import pyarrow as pa
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.load import read_prompts
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.pipeline.cluster import Pool, PoolCluster
+from rlhfless.pipeline.engines import EngineSpec
+from rlhfless.pipeline.rollout_tasks import GenSpec, generate_chunk_task, hf_engine, resume_task
 from rlhfless.pipeline.tail import TailModels, run_tail
 from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
-from rlhfless.pipeline.workers import (
-    EngineSpec,
-    GenSpec,
-    _hf_engine,
-    generate_chunk_task,
-    resume_task,
-)
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -43,7 +38,7 @@ def cluster():
 
 def _float64_engine(spec: GenSpec, weights: WeightsRef) -> str:
     """Load this worker's engine in float64: no near-tie can flip a token."""
-    engine, _ = _hf_engine(spec.engine, weights)
+    engine, _ = hf_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 
@@ -63,8 +58,8 @@ def _setup(cluster, tiny_model_dir, greedy: bool):
     return shard, spec, weights, addrs
 
 
-def _by_pair(tables: list[pa.Table]) -> dict:
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+def _by_pair(tables: list[Generated]) -> dict:
+    table = Generated.concat(tables).table
     pairs = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
     counts = Counter(pairs)
     assert set(counts.values()) == {1}, counts  # each (prompt, sample) exactly once
@@ -102,8 +97,8 @@ def test_transfer_continuation_equals_uninterrupted(cluster, eos_model_dir, gree
                     pure=False).result()
     reference, moved = _by_pair([whole["done"]]), _by_pair([out["done"], rest])
     assert reference.keys() == moved.keys()
-    b_name = rest.column("worker")[0].as_py()
-    assert b_name != out["done"].column("worker")[0].as_py()
+    b_name = rest.table.column("worker")[0].as_py()
+    assert b_name != out["done"].table.column("worker")[0].as_py()
     for pair, (ids, lps, _) in reference.items():
         assert moved[pair][0] == ids
         assert max((abs(x - y) for x, y in zip(moved[pair][1], lps)), default=0.0) < 1e-6
@@ -146,7 +141,7 @@ def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
     shards = [shard.take([0, 2, 4]), shard.take([1, 3])]
     res = run_tail(cluster, names, shards, spec, weights, mode, 0.3, models,
                    lambda n: 24.0, f"modes-{mode}")
-    pairs = _by_pair([res["rollouts"]])
+    pairs = _by_pair([Generated(res["rollouts"])])
     assert len(pairs) == len(shard) * N_SAMPLES
     decision = res["decision"]
     assert len(decision["tails"]) == 2, decision  # both paused with a tail

@@ -9,20 +9,18 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.schema import SCORED, TRAINABLE
 from rlhfless.ops.update import UpdateParams
 from rlhfless.pipeline.config import Config, ConfigError
+from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.loop import train
-from rlhfless.pipeline.modes import _iteration_of, mode_specs
+from rlhfless.pipeline.modes import mode_specs
+from rlhfless.pipeline.rollout_tasks import GenSpec
+from rlhfless.pipeline.scoring_tasks import RewardSpec, advantage_task
 from rlhfless.pipeline.specs import Specs
-from rlhfless.pipeline.workers import (
-    EngineSpec,
-    GenSpec,
-    RewardSpec,
-    TrainSpec,
-    advantage_task,
-)
+from rlhfless.pipeline.trainer_tasks import TrainSpec
 
 PARITY = {"tally": "parity_reward:parity"}  # informative groups, for replay to replay
 
@@ -184,13 +182,6 @@ def test_mode_knobs_are_checked(values, words):
 def test_an_empty_shard_concatenates_with_full_ones():
     """Replay shrinks the fresh batch, so a shard can be empty; its trainable table must
     have the schema of a full one, or the update cannot concatenate them."""
-    empty = SCORED.empty_table()
-    assert advantage_task(empty, "grpo", 2).schema.field("advantage") == TRAINABLE.field(
+    empty = Generated(SCORED.empty_table())
+    assert advantage_task(empty, "grpo", 2).table.schema.field("advantage") == TRAINABLE.field(
         "advantage")
-
-
-def test_iteration_of_graph_keys():
-    assert _iteration_of("generate-3-1") == 3
-    assert _iteration_of(("shard-12", 0)) == 12
-    assert _iteration_of("update-7") == 7
-    assert _iteration_of("eval-generate-eval-3-0") is None

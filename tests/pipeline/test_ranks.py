@@ -28,7 +28,7 @@ from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline import checkpoint as ckpt
 from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
-from rlhfless.pipeline.workers import leave_trainer_task
+from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 from rlhfless.pipeline.zarr_state import get_tensors
 
 PARAMS = UpdateParams(lr=1e-2, micro_batch_tokens=96, max_grad_norm=1e9)
