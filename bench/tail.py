@@ -5,7 +5,8 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
 ``ops/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
 
 1. warm both workers (model load outside the measurement) and measure the decode step
-   profile by batch x threads (1, 2) on one of them;
+   profile reconfiguration decides from (``tail.measure_profile``: 1 thread on both workers
+   at once, 2 threads on one alone; its noise is the margin a reconfiguration must clear);
 2. run the same prompts (``LongTailTallyTask``: most lists 2-5 items, a tenth 18-24)
    under each tail mode of ``pipeline/tail.py``, regrowing and warming the pool between
    modes; generation seconds and the pool's worker-seconds (from the cost ledger) and
@@ -14,7 +15,9 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
    (the choice is made first, from the models fitted so far); a choice is right when its
    path was the faster one measured.
 
-Prints one JSON line. ``python bench/tail.py [--models tiny,bench] [--prompts 24]``
+``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
+``tiny`` the one where it does not. Prints one JSON line.
+``python bench/tail.py [--models tiny,wide] [--prompts 24]``
 """
 
 from __future__ import annotations
@@ -40,18 +43,18 @@ from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
 from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.rollout_tasks import GenSpec, drop_task, generate_chunk_task, generate_task
-from rlhfless.pipeline.tail import MODES, TailModels, run_tail
+from rlhfless.pipeline.tail import MODES, TailModels, measure_profile, run_tail
 from rlhfless.pipeline.tail_tasks import (
     adopt_tails_task,
     export_tail_task,
     move_actual_s,
-    profile_steps_task,
 )
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
+from rlhfless.schedulers.tail_cost import KvCosts, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
 
 WORKERS = 2
+PROFILE_BATCHES = (1, 8)  # decode step profile: live batch sizes a tail runs at
 
 
 def plain(value):
@@ -126,13 +129,14 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
     out: dict = {"model": name, "kv_bytes_per_token": kv_bytes_per_token(path)}
     with PoolCluster([Pool("gen", WORKERS, 1, {"GEN": 1}, "4GiB")], ledger) as pc:
         names = warm(pc, spec, weights, prompts.slice(0, 1))
-        measured = pc.client.submit(profile_steps_task, spec, weights, (1, 8), (1, 2),
-                                    workers=[pc.address_of(names[0])], pure=False).result()
-        profile = StepProfile(measured)
+        profile = measure_profile(pc, names, spec, weights, PROFILE_BATCHES)
         models = TailModels(KvCosts(ThroughputModel(), TransferModel(),
                                     out["kv_bytes_per_token"]), profile)
         out["profile"] = profile.to_record()
-        out["thread_speedup"] = {b: profile.speedup(b, 2) for b in (1, 8)}
+        out["thread_speedup"] = {b: round(profile.speedup(b, 2), 3) for b in PROFILE_BATCHES}
+        # what plan_reconfig needs of 2 threads, before any move cost: beat 1 by the noise
+        out["threads_pay_by_profile"] = {b: profile.speedup(b, 2) * (1 - profile.noise) > 1
+                                         for b in PROFILE_BATCHES}
         # prime the cost models with two moves of this run (as a live run's first tails)
         out["audit_warmup"] = audit(pc, names, prompts, spec, weights, models, 2)
         predict_len = None
@@ -168,7 +172,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,bench")
+    ap.add_argument("--models", default="tiny,wide")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--n-samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -48,6 +48,7 @@ class BenchSize:
 BENCH_SIZES = {  # bench name -> size; "tiny" is the embedded model itself
     "small": BenchSize(256, 768, 4),
     "bench": BenchSize(1024, 3072, 8),
+    "wide": BenchSize(2048, 6144, 4),  # matmuls large enough for a second thread to pay
 }
 
 

@@ -35,7 +35,14 @@ from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
 
 from .cluster import PoolCluster
 from .rollout_tasks import GenSpec, generate_chunk_task, resume_task
-from .tail_tasks import adopt_tails_task, export_tail_task, move_actual_s, set_threads_task
+from .tail_tasks import (
+    TailLost,
+    adopt_tails_task,
+    export_tail_task,
+    move_actual_s,
+    profile_steps_task,
+    set_threads_task,
+)
 from .task_keys import task_key
 
 MODES = ("static", "recompute", "kv", "reconfig")
@@ -48,6 +55,24 @@ class TailModels:
     kv: KvCosts  # transfer vs recompute, and what each move taught it
     profile: StepProfile | None = None
     moves: list[dict] = field(default_factory=list)
+
+
+def measure_profile(pc: PoolCluster, names: list[str], spec: GenSpec, weights: WeightsRef,
+                    batches: tuple[int, ...], steps: int = 16, repeats: int = 5) -> StepProfile:
+    """The decode step profile that ``reconfig`` decides from, measured on the pool at start
+    as each side of the decision runs: the pool's threads on every worker of ``names`` at
+    once (staying, they share the machine's memory bandwidth and caches), and all their
+    threads on one worker while the others idle (the consolidated tail, the others
+    released); ``steps`` and ``repeats`` as ``profile_steps_task``'s."""
+    c, threads = pc.client, pc.pools["gen"].threads
+    first = pc.address_of(names[0])
+    shared = [c.submit(profile_steps_task, spec, weights, batches, (threads,), steps,
+                       repeats=repeats, workers=[pc.address_of(n)], pure=False) for n in names]
+    stay = shared[0].result()
+    wait(shared)
+    wide = c.submit(profile_steps_task, spec, weights, batches, (threads * len(names),), steps,
+                    repeats=repeats, workers=[first], pure=False).result()
+    return StepProfile(stay | wide)
 
 
 def _pairs(table: pa.Table) -> list[tuple[str, int]]:
@@ -150,23 +175,50 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
     with the target's own paused tail under ``<tag>-merged``; each move logged and fed back
     into the models."""
     c = pc.client
-    sends = {s: c.submit(export_tail_task, f"{tag}-{s}", workers=[addr[s]], pure=False)
+    sends = {s: c.submit(export_tail_task, f"{tag}-{s}", workers=[addr[s]],
+                         allow_other_workers=True, pure=False)
              for s in sources if choices[s][0].path == "transfer"}
-    redo = [cuts[s] for s in sources if choices[s][0].path == "recompute"]
-    recompute = pa.concat_tables(redo) if redo else None
-    facts = c.submit(adopt_tails_task, list(sends.values()), f"{tag}-merged", weights, spec,
-                     local=(f"{tag}-{target}",), recompute=recompute, workers=[addr[target]],
-                     pure=False).result()
+    redo = [s for s in sources if choices[s][0].path == "recompute"]
+    facts, lost = land_tails(c, addr[target], sends, cuts, redo, f"{tag}-merged",
+                             (f"{tag}-{target}",), weights, spec)
     del sends
     for s in sources:  # one adopt carries every move: its actual time is split by path
         kind, ctx = choices[s]
-        actual = move_actual_s(kind.path, facts)
-        tokens = facts["context_tokens" if kind.path == "transfer" else "recompute_tokens"]
-        models.kv.observe(kind.path, tokens, facts["bytes"], actual)
+        path = "recompute" if s in lost else kind.path  # lost KV: recomputed from the cut
+        actual = move_actual_s(path, facts)
+        tokens = facts["context_tokens" if path == "transfer" else "recompute_tokens"]
+        models.kv.observe(path, tokens, facts["bytes"], actual)
         record = {"t": time.time(), "kind": "move", "source": s, "target": target,
                   "sequences": len(cuts[s]), "context_tokens": ctx, "path": kind.path,
-                  "predicted_transfer_s": kind.transfer_s,
+                  "landed_by": path, "predicted_transfer_s": kind.transfer_s,
                   "predicted_recompute_s": kind.recompute_s,
                   "predicted_s": kind.predicted_s, "actual_s": actual}
         models.moves.append(record)
         decision.setdefault("moves", []).append(record)
+
+
+def land_tails(client, target: str, sends: dict, cuts: dict[str, pa.Table], redo: list[str],
+               key: str, local: tuple[str, ...], weights: WeightsRef,
+               spec: GenSpec) -> tuple[dict, list[str]]:
+    """Adopt on ``target`` (an address) the tails exported by ``sends`` (source -> future of
+    ``export_tail_task``, loosely pinned to the source) and those of ``redo`` recomputed
+    from their cut rows ``cuts`` (source -> cut), with the target's own paused ``local``,
+    as one decoding paused under ``key``. A source that died before the target fetched its
+    KV loses nothing: Dask reruns its export elsewhere, which finds no paused decoding
+    (``TailLost``), and its tail is recomputed from its cut rows, which the driver holds.
+    Returns the adoption's facts and the sources whose KV was lost."""
+    def adopt(sent: dict, again: list[str]) -> dict:
+        rows = [cuts[s] for s in again]
+        return client.submit(adopt_tails_task, list(sent.values()), key, weights, spec,
+                             local=local, recompute=pa.concat_tables(rows) if rows else None,
+                             workers=[target], pure=False).result()
+
+    try:
+        return adopt(sends, redo), []
+    except TailLost:
+        wait(list(sends.values()))
+        lost = [s for s, f in sends.items() if f.status == "error"]
+        if not lost:
+            raise
+        kept = {s: f for s, f in sends.items() if s not in lost}
+        return adopt(kept, redo + lost), lost

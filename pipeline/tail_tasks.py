@@ -40,10 +40,15 @@ from .engines import worker_name
 from .rollout_tasks import PAUSED, GenSpec, hf_engine, resume_task
 
 
+class TailLost(KeyError):
+    """A paused decoding this worker was asked for is not here: never paused here, already
+    moved, or its worker died and the task that held it was rerun elsewhere."""
+
+
 def _take_paused(key: str) -> TailKV:
     entry = PAUSED.pop(key, None)
     if entry is None:
-        raise KeyError(f"worker {worker_name()} holds no paused decoding {key!r} "
+        raise TailLost(f"worker {worker_name()} holds no paused decoding {key!r} "
                        "(never paused here, already moved, or the worker restarted)")
     dec, rows, start = entry
     return export_tail(dec, rows, start)
@@ -113,29 +118,35 @@ def set_threads_task(threads: int) -> int:
 
 
 def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, ...],
-                       threads: tuple[int, ...], steps: int = 8,
-                       prompt_tokens: int = 48) -> dict[tuple[int, int], float]:
-    """Decode step seconds of this worker's engine by (batch, threads): each batch of
-    ``prompt_tokens``-token prompts decodes ``steps`` tokens (no EOS stop), best of two.
-    The worker's torch threads are restored afterwards."""
+                       threads: tuple[int, ...], steps: int = 16, prompt_tokens: int = 48,
+                       repeats: int = 5) -> dict[tuple[int, int], list[float]]:
+    """Decode step seconds of this worker's engine by (batch, threads), ``repeats`` samples
+    each: a sample decodes ``steps`` tokens of a batch of ``prompt_tokens``-token prompts (no
+    EOS stop). Each thread count gets one untimed warm-up decode first (its thread pool
+    starts); the repeats then cycle through every (threads, batch), so a burst of outside
+    load lands on all of them alike. The worker's torch threads are restored afterwards."""
     engine, _ = hf_engine(spec.engine, weights)
     model, pad = engine.model, engine.tokenizer.pad_token_id
     params = SamplingParams(max_new_tokens=steps, greedy=True)
+
+    def step_seconds(batch: int) -> float:
+        prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
+        stats = GenerationStats()
+        dec = prefill_prompts(model, prompts, 1, params, pad, None, stats)
+        run_decoding(model, dec, params, -1, stats)
+        return stats.decode_seconds / max(1, stats.decode_steps)
+
     before = torch.get_num_threads()
-    out: dict[tuple[int, int], float] = {}
+    out: dict[tuple[int, int], list[float]] = {(b, t): [] for t in threads for b in batches}
     try:
         for t in threads:
             torch.set_num_threads(t)
-            for b in batches:
-                prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)]
-                           for i in range(b)]
-                best = float("inf")
-                for _ in range(2):
-                    stats = GenerationStats()
-                    dec = prefill_prompts(model, prompts, 1, params, pad, None, stats)
-                    run_decoding(model, dec, params, -1, stats)
-                    best = min(best, stats.decode_seconds / max(1, stats.decode_steps))
-                out[(b, t)] = best
+            step_seconds(max(batches))
+        for _ in range(repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                for b in batches:
+                    out[(b, t)].append(step_seconds(b))
     finally:
         torch.set_num_threads(before)
     return out

@@ -143,21 +143,27 @@ class KvCosts:
 
 
 class StepProfile:
-    """Decode step seconds by live batch and torch threads, measured; linear in the batch
-    for each thread count (least squares over the measured batches)."""
+    """Decode step seconds by live batch and torch threads, measured: several samples per
+    (batch, threads), linear in the batch for each thread count (least squares over the
+    samples' medians). ``noise`` is the largest relative half-range of a point's samples:
+    how far this measurement could be off, the margin a decision taken from it must clear."""
 
-    def __init__(self, measured: Mapping[tuple[int, int], float]) -> None:
+    def __init__(self, measured: Mapping[tuple[int, int], Sequence[float]]) -> None:
+        if not measured or any(len(v) == 0 or min(v) <= 0 for v in measured.values()):
+            raise ValueError("StepProfile: every (batch, threads) needs positive samples")
+        self.measured = {k: [float(x) for x in v] for k, v in measured.items()}
         by_threads: dict[int, list[tuple[int, float]]] = {}
-        for (batch, threads), secs in measured.items():
-            by_threads.setdefault(int(threads), []).append((int(batch), float(secs)))
-        if not by_threads or any(len({b for b, _ in v}) < 2 for v in by_threads.values()):
+        for (batch, threads), samples in self.measured.items():
+            by_threads.setdefault(int(threads), []).append((int(batch), float(np.median(samples))))
+        if any(len({b for b, _ in v}) < 2 for v in by_threads.values()):
             raise ValueError("StepProfile: measure at least two batch sizes per thread count")
-        self.measured = dict(measured)
         self.fit: dict[int, tuple[float, float]] = {}
         for threads, points in by_threads.items():
             b, s = np.array(points, dtype=np.float64).T
             c, a = np.polyfit(b, s, 1)
             self.fit[threads] = (max(float(a), 0.0), max(float(c), 0.0))
+        self.noise = max((max(v) - min(v)) / (2 * float(np.median(v)))
+                         for v in self.measured.values())
 
     @property
     def threads(self) -> list[int]:
@@ -178,7 +184,10 @@ class StepProfile:
 
     def to_record(self) -> dict:
         return {"fit": {str(t): list(ac) for t, ac in self.fit.items()},
-                "measured": {f"{b}x{t}": s for (b, t), s in self.measured.items()}}
+                "noise": self.noise,
+                "median_s": {f"{b}x{t}": float(np.median(v))
+                             for (b, t), v in self.measured.items()},
+                "samples": len(next(iter(self.measured.values())))}
 
 
 @dataclass(frozen=True)
@@ -204,8 +213,9 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     ``tails``: per live worker, the predicted remaining tokens of its sequences;
     ``overhead_s``: per candidate target, the seconds to bring the other tails to it
     (``choose_kv_path`` of each). Fires when the consolidated finish, overhead included, is
-    sooner than staying: the predicted gain exceeds the reconfiguration cost. Core-seconds
-    of both are recorded (the released workers stop billing at once).
+    sooner than staying by more than the profile's noise: the predicted gain exceeds the
+    reconfiguration cost, and would still if the profile were off by its own spread.
+    Core-seconds of both are recorded (the released workers stop billing at once).
     """
     live = {w: np.asarray(r, dtype=np.float64) for w, r in tails.items() if len(r)}
     each = {w: profile.decode_seconds(r, threads[w]) for w, r in live.items()}
@@ -220,10 +230,11 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     target = min(live, key=lambda w: overhead_s[w])
     move_s = overhead_s[target] + wide_s
     stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
-    fire = move_s < stay_s
+    fire = move_s < stay_s * (1 - profile.noise)
     why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
            f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
-           f"{overhead_s[target]:.2f} s = {move_s:.2f} s")
+           f"{overhead_s[target]:.2f} s = {move_s:.2f} s; margin {profile.noise:.0%} "
+           "(profile noise)")
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
                           float(overhead_s[target]), stay_cs, move_cs,
                           ("consolidate: " if fire else "stay: ") + why)

@@ -3,7 +3,8 @@
 A paused tail is exported on one worker, fetched by Dask directly by a task pinned to
 another, and decoded on there: the result equals uninterrupted decoding on one worker
 (float64 engines, greedy and sampled), every (prompt, sample) comes out exactly once, and a
-source worker that dies once its KV was received loses nothing."""
+source worker that dies once its KV was received loses nothing, and neither does one that
+dies before (its tail is recomputed from the tokens the driver holds)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
@@ -20,7 +22,7 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.engines import EngineSpec
 from rlhfless.pipeline.rollout_tasks import GenSpec, generate_chunk_task, hf_engine, resume_task
-from rlhfless.pipeline.tail import TailModels, run_tail
+from rlhfless.pipeline.tail import TailModels, land_tails, measure_profile, run_tail
 from rlhfless.pipeline.tail_tasks import adopt_tails_task, export_tail_task
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
@@ -105,6 +107,31 @@ def test_transfer_continuation_equals_uninterrupted(cluster, eos_model_dir, gree
     assert sum(w == b_name for _, _, w in moved.values()) == n_cut
 
 
+def test_the_start_profile_measures_both_sides_and_restores_threads(cluster, eos_model_dir):
+    """``measure_profile``: 1 thread on both workers at once, 2 threads on one; every point
+    sampled ``repeats`` times; the workers are left at the pool's thread count."""
+    _, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=True)
+    names = cluster.worker_names("gen")[:2]
+    profile = measure_profile(cluster, names, spec, weights, (1, 4), steps=4, repeats=3)
+    assert profile.threads == [1, 2] and sorted(profile.measured) == [
+        (1, 1), (1, 2), (4, 1), (4, 2)]
+    assert all(len(v) == 3 and min(v) > 0 for v in profile.measured.values())
+    assert 0 <= profile.noise < float("inf")
+    addrs = [cluster.address_of(n) for n in names]
+    assert set(cluster.client.run(torch.get_num_threads, workers=addrs).values()) == {1}
+
+
+def _kill(cluster, addr: str) -> None:
+    """Kill the worker process at ``addr`` (started by this test's cluster) and wait until
+    the scheduler has removed it."""
+    c = cluster.client
+    os.kill(c.run(os.getpid, workers=[addr])[addr], 9)
+    deadline = time.time() + 60
+    while addr in c.scheduler_info(n_workers=-1)["workers"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert addr not in c.scheduler_info(n_workers=-1)["workers"]
+
+
 def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
     shard, spec, weights, (a, b, c_addr) = _setup(cluster, eos_model_dir, greedy=False)
     c = cluster.client
@@ -112,17 +139,42 @@ def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
                    pure=False).result()
     assert len(out["cut"]) > 0
     sent, facts, _ = _move(c, "dying", c_addr, b, weights, spec, "survivor")
-    pid = c.run(os.getpid, workers=[c_addr])[c_addr]
-    os.kill(pid, 9)  # the source's worker process, started by this test's cluster
-    deadline = time.time() + 60
-    while c_addr in c.scheduler_info(n_workers=-1)["workers"] and time.time() < deadline:
-        time.sleep(0.2)
-    assert c_addr not in c.scheduler_info(n_workers=-1)["workers"]
+    _kill(cluster, c_addr)
     del sent
     rest = c.submit(resume_task, "survivor", weights, spec, workers=[b], pure=False).result()
     done = _by_pair([out["done"], rest])
     assert len(done) == len(shard) * N_SAMPLES
     assert len(rest) == facts["sequences"] == len(out["cut"])
+    cluster.wait_for([cluster.worker_names("gen")[2]])  # its nanny restarts it
+
+
+@pytest.mark.slow  # a second kill and restart: 6-8 s
+def test_source_dying_before_its_kv_is_fetched_loses_nothing(cluster, eos_model_dir):
+    """The source exported its tail's KV and died before the target fetched it: ``land_tails``
+    recomputes that tail on the target from the cut rows, and the continuation (greedy,
+    float64) equals uninterrupted decoding."""
+    shard, spec, weights, (a, b, c_addr) = _setup(cluster, eos_model_dir, greedy=True)
+    c = cluster.client
+    whole, out = c.gather([
+        c.submit(generate_chunk_task, shard, weights, spec, 5, 1.0, "orphan-whole", workers=[b],
+                 pure=False),
+        c.submit(generate_chunk_task, shard, weights, spec, 5, 0.3, "orphan", workers=[c_addr],
+                 pure=False)])
+    assert len(out["cut"]) > 0
+    sent = c.submit(export_tail_task, "orphan", workers=[c_addr], allow_other_workers=True,
+                    pure=False)
+    assert sent.result().n_sequences == len(out["cut"])  # exported, held by the source only
+    _kill(cluster, c_addr)
+    facts, lost = land_tails(c, b, {"src": sent}, {"src": out["cut"]}, [], "orphan-landed", (),
+                             weights, spec)
+    assert lost == ["src"] and facts["bytes"] == 0 and facts["recompute_tokens"] > 0
+    del sent
+    rest = c.submit(resume_task, "orphan-landed", weights, spec, workers=[b], pure=False).result()
+    reference, moved = _by_pair([whole["done"]]), _by_pair([out["done"], rest])
+    assert reference.keys() == moved.keys() and len(rest) == len(out["cut"])
+    for pair, (ids, lps, _) in reference.items():
+        assert moved[pair][0] == ids
+        assert max((abs(x - y) for x, y in zip(moved[pair][1], lps)), default=0.0) < 1e-6
     cluster.wait_for([cluster.worker_names("gen")[2]])  # its nanny restarts it
 
 
@@ -133,8 +185,8 @@ def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
     profile in which two threads pay makes it fire and widen the target."""
     shard, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=False)
     names = cluster.worker_names("gen")[:2]
-    one = {(b, 1): 0.01 + 0.001 * b for b in (1, 8)}
-    profile = StepProfile(one | {(b, 2): s / 1.9 for (b, _), s in one.items()})
+    one = {(b, 1): [0.01 + 0.001 * b] for b in (1, 8)}
+    profile = StepProfile(one | {(b, 2): [s / 1.9] for (b, _), (s,) in one.items()})
     models = TailModels(KvCosts(ThroughputModel(),
                                 TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
                                 kv_bytes_per_token=2048), profile)
@@ -152,3 +204,4 @@ def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
     if mode == "reconfig":
         assert decision["reconfig"]["fire"] and decision["threads"]["after"] == 2
     cluster.grow("gen", 1)
+

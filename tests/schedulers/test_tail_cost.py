@@ -34,10 +34,12 @@ def test_choice_follows_the_fitted_rates():
     assert big.path == "transfer" and big.predicted_s == pytest.approx(0.14)
 
 
-def _profile(speedup: float) -> StepProfile:
-    """1 thread: 10 ms + 1 ms per sequence; 2 threads: ``speedup`` times faster."""
+def _profile(speedup: float, spread: float = 0.0) -> StepProfile:
+    """1 thread: 10 ms + 1 ms per sequence; 2 threads: ``speedup`` times faster; three
+    samples per point, ``spread`` apart (relative)."""
     one = {(b, 1): 0.010 + 0.001 * b for b in (1, 4, 16)}
-    return StepProfile(one | {(b, 2): s / speedup for (b, _), s in one.items()})
+    means = one | {(b, 2): s / speedup for (b, _), s in one.items()}
+    return StepProfile({k: [s * (1 - spread), s, s * (1 + spread)] for k, s in means.items()})
 
 
 TAILS = {"a": [40, 35, 30, 5], "b": [38, 20, 10]}
@@ -57,9 +59,23 @@ def test_reconfiguration_stays_when_threads_do_not_pay_or_moving_costs_too_much(
     assert not lone.fire  # one live worker: nothing to consolidate
 
 
-def test_profile_needs_two_batch_sizes_per_thread_count():
+def test_a_gain_inside_the_profile_noise_does_not_fire():
+    """A 1.25x thread speedup pays when measured cleanly, not when its samples spread +-30 %:
+    the decision must not flip on noise."""
+    overhead = {"a": 0.0, "b": 0.0}
+    clean, noisy = _profile(1.25, spread=0.02), _profile(1.25, spread=0.3)
+    assert clean.speedup(4, 2) == pytest.approx(noisy.speedup(4, 2))  # same medians
+    assert noisy.noise == pytest.approx(0.3) and clean.noise == pytest.approx(0.02)
+    assert plan_reconfig(TAILS, {"a": 1, "b": 1}, clean, overhead).fire
+    quiet = plan_reconfig(TAILS, {"a": 1, "b": 1}, noisy, overhead)
+    assert not quiet.fire and quiet.move_s < quiet.stay_s and "noise" in quiet.reason
+
+
+def test_profile_needs_two_batch_sizes_per_thread_count_and_samples():
     with pytest.raises(ValueError, match="two batch sizes"):
-        StepProfile({(1, 1): 0.01, (1, 2): 0.008})
+        StepProfile({(1, 1): [0.01], (1, 2): [0.008]})
+    with pytest.raises(ValueError, match="positive samples"):
+        StepProfile({(1, 1): [], (4, 1): [0.01]})
 
 
 def test_kv_costs_learn_from_moves_and_round_trip():
