@@ -103,7 +103,7 @@ class EmulatedClockLedger(CostLedger):
 # not the runtime: no stack sampling for the profiler (every 10 ms by default), the event
 # loop's health tick every second (20 ms) and the system monitor every 2 s (0.5 s). At their
 # defaults an idle worker process took 2.7 % of a core, 64 of them most of a 2-core machine;
-# with these 0.5 % (README, "Emulated pools").
+# with these 0.5-0.7 % (README, "Emulated pools").
 # (Dotted keys: the nanny merges them shallowly into its whole configuration.)
 QUIET_WORKER_CONFIG = {"distributed.worker.profile.enabled": False,
                        "distributed.admin.tick.interval": "1s",
