@@ -99,10 +99,22 @@ class EmulatedClockLedger(CostLedger):
         return super().cold_starts(pool)
 
 
+# Dask's own diagnostics in an emulated generation worker process, which serve the dashboard,
+# not the runtime: no stack sampling for the profiler (every 10 ms by default), the event
+# loop's health tick every second (20 ms) and the system monitor every 2 s (0.5 s). At their
+# defaults an idle worker process took 2.7 % of a core, 64 of them most of a 2-core machine;
+# with these 0.5-0.7 % (README, "Emulated pools").
+# (Dotted keys: the nanny merges them shallowly into its whole configuration.)
+QUIET_WORKER_CONFIG = {"distributed.worker.profile.enabled": False,
+                       "distributed.admin.tick.interval": "1s",
+                       "distributed.admin.system-monitor.interval": "2s"}
+
+
 @dataclass(frozen=True)
 class EmulatedDeployment(LocalDeployment):
     """Local worker processes; a generation worker sleeps its emulated cold start (from its
-    process start) in a preload, before it registers with the scheduler."""
+    process start) in a preload, before it registers with the scheduler, and runs Dask's
+    diagnostics at ``QUIET_WORKER_CONFIG``."""
 
     cold_start_wall_s: float = 0.0
 
@@ -111,6 +123,7 @@ class EmulatedDeployment(LocalDeployment):
         if pool.name == "gen":
             options = spec["options"]
             options["preload"] = [emu.__name__]
+            options["config"] = QUIET_WORKER_CONFIG
             options["env"] = {**options["env"],
                               emu.COLD_START_ENV: str(self.cold_start_wall_s)}
         return spec

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 
+import dask
 import pytest
 
+from rlhfless.pipeline.cluster import Pool, PoolCluster
 from rlhfless.pipeline.config import ConfigError, make_config
-from rlhfless.pipeline.emulated import as_live, run_emulated, simulator_policy
+from rlhfless.pipeline.emulated import (
+    QUIET_WORKER_CONFIG,
+    EmulatedDeployment,
+    as_live,
+    run_emulated,
+    simulator_policy,
+)
 from rlhfless.pipeline.inputs import check_inputs
+from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
 from rlhfless.schedulers.workloads import WorkloadConfig, synthetic_trace
@@ -58,6 +67,29 @@ def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
         assert move["path"] == "recompute" and "keeps no KV cache" in move["reason"]
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
     assert out["gen_worker_s"] > 0
+
+
+def _diagnostics() -> tuple:
+    return tuple(dask.config.get(key) for key in QUIET_WORKER_CONFIG)
+
+
+POOLS = [Pool("gen", 1, 1, {"GEN": 1}, "1GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "1GiB")]
+
+
+def test_only_generation_workers_get_the_low_rate_diagnostics():
+    gen, train = (EmulatedDeployment().worker_spec(pool, f"{pool.name}-0")["options"]
+                  for pool in POOLS)
+    assert gen["config"] == QUIET_WORKER_CONFIG and "config" not in train
+
+
+@pytest.mark.slow
+def test_generation_workers_run_dasks_diagnostics_at_a_low_rate():
+    with PoolCluster(POOLS, CostLedger(_config("static").prices),
+                     deployment=EmulatedDeployment()) as pc:
+        seen = pc.client.run(_diagnostics)
+        gen, train = seen[pc.address_of("gen-0")], seen[pc.address_of("train-0")]
+    assert gen == tuple(QUIET_WORKER_CONFIG.values()) == (False, "1s", "2s")
+    assert train == (True, "20ms", "500ms")  # the other pools keep Dask's defaults
 
 
 def test_train_refuses_the_emulated_backend():
