@@ -78,7 +78,8 @@ def test_lora_run_on_two_ranks_publishes_and_checkpoints_adapters(tiny_model_dir
     load_weights(policy, WeightsRef(2, str(run / "weights" / "v2.safetensors")))
     exported = AutoModelForCausalLM.from_pretrained(export_hf(find(run), tmp_path / "hf"))
     ids = torch.tensor([[5, 9, 17, 3, 44]])
-    with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits,
-                                   policy(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # float64 forwards: merged and unmerged adapters differ by the
+        # merge's float32 rounding only, not by a float32 forward's accumulation order
+        torch.testing.assert_close(exported.double()(input_ids=ids).logits,
+                                   policy.double()(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
     assert json.loads((run / "config.json").read_text())["lora_rank"] == SPEC.rank
