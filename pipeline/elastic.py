@@ -224,12 +224,13 @@ class ElasticGeneration:
         for move in moves:
             rows = [row_of[s] for s in move.seq_ids]
             part = cut.take(pa.array(rows, pa.int64()))
-            choice = self.policy.kv_path(sum(cur[r] for r in rows))
+            context = int(sum(cur[r] for r in rows))
+            choice = self.policy.kv_path(context)
             why = move.reason
             if not self.kv_moves:
                 choice = replace(choice, path="recompute")
                 why += f"; backend {self.cfg.backend} keeps no KV cache: recompute"
-            plans.append((move, rows, part, choice, why))
+            plans.append((move, rows, part, context, choice, why))
         self.load[worker] = WorkerProgress(0, 0, busy=False)  # its whole tail leaves
         client, source = self.pc.client, self.pc.address_of(worker)
         sent = None
@@ -239,12 +240,12 @@ class ElasticGeneration:
             self.exports.setdefault(worker, []).append(sent)
         else:
             client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
-        for j, (move, rows, part, choice, why) in enumerate(plans):
+        for j, (move, rows, part, context, choice, why) in enumerate(plans):
             landing = self._move(shard, j, worker, move.target, rows, part, choice, sent,
                                  len(ids), weights, specs, seed, iteration)
             self.moving[landing] = {
                 "pool": "gen", "kind": "migrate", "source": worker, "target": move.target,
-                "sequences": len(rows), "context_tokens": int(sum(cur[r] for r in rows)),
+                "sequences": len(rows), "context_tokens": context,
                 "path": choice.path, "reason": why, "planned_kv": move.kv,
                 "predicted_stay_s": move.stay_seconds, "predicted_move_s": move.move_seconds,
                 "predicted_transfer_s": choice.transfer_s,
