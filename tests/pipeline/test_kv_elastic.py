@@ -9,6 +9,8 @@ the rollouts equal uninterrupted decoding of the whole batch on one worker token
 (every draw is keyed by the run seed, the iteration, the prompt and the sample:
 ``ops/seeds.py``), every (prompt, sample) comes out once, and ``decisions.jsonl`` records
 each move's path, predicted and actual seconds and bytes, which the policy has learned from.
+A source killed after its export and before the target's adoption loses nothing (slow): the
+move lands again, recomputed from the cut rows, and the rollouts are the same.
 A short training run on the long-tail task (``task = "tally-long"``) returns every (prompt,
 sample) once and logs whatever moves its policy plans the same way (slow; at this size and
 load the real policy often plans none: one worker at lambda 0.5, and no move that pays at
