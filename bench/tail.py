@@ -98,7 +98,7 @@ def audit(pc, names, prompts, spec, weights, models: TailModels, rounds: int) ->
                                                   cut.column("partial_ids").to_pylist()))
         choice = models.kv.choose(ctx)
         redo = c.submit(adopt_tails_task, [], f"{key}-r", weights, spec, recompute=cut,
-                        workers=[dst], pure=False).result()
+                        seed=100 + r, workers=[dst], pure=False).result()
         sent = c.submit(export_tail_task, key, workers=[src], pure=False)
         moved = c.submit(adopt_tails_task, [sent], f"{key}-t", weights, spec, workers=[dst],
                          pure=False).result()

@@ -22,6 +22,10 @@ driver with Dask futures (the graph is decided as it runs):
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
 ``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
 when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``.
+A source that dies before its target fetched the exported KV loses nothing: the export, pinned
+loosely, reruns elsewhere and finds no paused decoding (``TailLost``), and the move lands
+again with its tail recomputed on the target from the cut rows the driver holds (the record's
+``landed_by``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .config import Config
 from .runs import RunDir
 from .scoring_tasks import advantage_task, reward_task
 from .tail_tasks import (
+    TailLost,
     adopt_tails_task,
     export_tail_task,
     move_actual_s,
@@ -129,6 +134,7 @@ class ElasticGeneration:
         self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
         self.moving: dict[str, dict] = {}  # key of a move's landing future -> its record
         self.exports: dict[str, list] = {}  # source -> futures of its exported tails
+        self.lost: dict[str, tuple | None] = {}  # a KV move's adopt/continue key -> its move
         if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
             self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
@@ -142,6 +148,8 @@ class ElasticGeneration:
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
+            if fut.status == "error" and self._reland_lost(fut):
+                continue
             if fut.key in self.moving and fut.key not in self.where:  # a KV move landed
                 released += self._landed(fut.key, fut.result(), iteration)
                 continue
@@ -236,56 +244,85 @@ class ElasticGeneration:
         sent = None
         if any(choice.path == "transfer" for *_, choice, _ in plans):
             sent = client.submit(export_tail_task, key, workers=[source], pure=False,
+                                 allow_other_workers=True,  # a lost source: TailLost
                                  key=task_key("export", iteration, shard))
             self.exports.setdefault(worker, []).append(sent)
         else:
             client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
         for j, (move, rows, part, context, choice, why) in enumerate(plans):
-            landing = self._move(shard, j, worker, move.target, rows, part, choice, sent,
+            landing = self._move(shard, j, worker, move.target, rows, part, choice.path, sent,
                                  len(ids), weights, specs, seed, iteration)
             self.moving[landing] = {
                 "pool": "gen", "kind": "migrate", "source": worker, "target": move.target,
                 "sequences": len(rows), "context_tokens": context,
-                "path": choice.path, "reason": why, "planned_kv": move.kv,
+                "path": choice.path, "landed_by": choice.path, "reason": why,
+                "planned_kv": move.kv,
                 "predicted_stay_s": move.stay_seconds, "predicted_move_s": move.move_seconds,
                 "predicted_transfer_s": choice.transfer_s,
                 "predicted_recompute_s": choice.recompute_s, "predicted_s": choice.predicted_s}
         return sum(len(m.seq_ids) for m in moves)
 
     def _move(self, shard: int, j: int, source: str, target: str, rows: list[int],
-              part: pa.Table, choice, sent, n_tail: int, weights, specs, seed: int,
-              iteration: int) -> str:
+              part: pa.Table, path: str, sent, n_tail: int, weights, specs, seed: int,
+              iteration: int, tag: str = "") -> str:
         """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
-        ``rows`` on the source when the tail is split) or its prefix recomputed there, then
-        decoded to the end. Returns the key of the future that says the move landed."""
-        load, continued = self.load_of(part, part), task_key("continue", iteration, shard, j)
+        ``rows`` on the source when the tail is split; ``path`` "transfer") or its prefix
+        recomputed there, then decoded to the end. Returns the key of the future that says
+        the move landed; ``tag`` marks the keys of a move landed again."""
+        load = self.load_of(part, part)
+        continued = task_key("continue", iteration, shard, j, tag=tag)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
             self._submit(shard, target, load, self.tasks.continue_task, part, weights,
                          specs.gen, seed, key=continued)
             return continued
         client, at = self.pc.client, [self.pc.address_of(target)]
-        paused = task_key("moved", iteration, shard, j)  # the tail's name on the target
-        if choice.path == "transfer":
+        paused = task_key("moved", iteration, shard, j, tag=tag)  # the tail's name there
+        if path == "transfer":
             tail = sent if rows == list(range(n_tail)) else client.submit(
-                take_tail_task, sent, rows, workers=[self.pc.address_of(source)], pure=False,
-                key=task_key("take", iteration, shard, j))
+                take_tail_task, sent, rows, workers=[self.pc.address_of(source)],
+                allow_other_workers=True, pure=False, key=task_key("take", iteration, shard, j))
             adopt = (adopt_tails_task, [tail], paused, weights, specs.gen)
         else:
-            adopt = (adopt_tails_task, [], paused, weights, specs.gen, (), part)
+            adopt = (adopt_tails_task, [], paused, weights, specs.gen, (), part, seed)
         adopted = client.submit(*adopt, workers=at, resources={"GEN": 1},
                                 allow_other_workers=False, pure=False,
-                                key=task_key("adopt", iteration, shard, j))
+                                key=task_key("adopt", iteration, shard, j, tag=tag))
         self.ac.add(adopted)
         self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
                      key=continued)
+        if path == "transfer":  # how to land it again if its KV is lost
+            again = (shard, j, source, target, rows, part, n_tail, weights, specs, seed,
+                     iteration, adopted.key, continued)
+            self.lost[adopted.key] = self.lost[continued] = again
         return adopted.key
+
+    def _reland_lost(self, fut) -> bool:
+        """Whether ``fut`` is the adoption or continuation of a KV move whose export was
+        lost (its source died before the target fetched the KV: the export, loosely pinned,
+        ran again elsewhere and found no paused decoding, ``TailLost``). The first of the
+        two to arrive lands the move again, its tail recomputed on the target from the cut
+        rows the driver holds; the other, errored too, is dropped."""
+        if fut.key not in self.lost or not isinstance(fut.exception(), TailLost):
+            return False
+        move = self.lost.pop(fut.key)
+        if move is None:  # its twin already landed the move again
+            return True
+        (shard, j, source, target, rows, part, n_tail, weights, specs, seed, iteration,
+         adopted, continued) = move
+        self.lost[continued if fut.key == adopted else adopted] = None
+        self.where.pop(continued, None)
+        self.pending[shard].discard(continued)
+        record = self.moving.pop(adopted) | {"landed_by": "recompute"}
+        self.moving[self._move(shard, j, source, target, rows, part, "recompute", None,
+                               n_tail, weights, specs, seed, iteration, tag="relanded")] = record
+        return True
 
     def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:
         """A move's context is on its target: log it with its actual seconds, feed them to
         the policy, let go of the source's export once none is in flight (then the source
         may be released)."""
         record = self.moving.pop(key)
-        path = record["path"]
+        path = record["landed_by"]
         actual = move_actual_s(path, facts)
         tokens = record["context_tokens"]
         # a continuation's own prefill reaches the throughput model with its rollouts
@@ -294,7 +331,7 @@ class ElasticGeneration:
         self.log(iteration, **record, actual_s=actual, bytes=facts["bytes"],
                  landed_sequences=facts["sequences"])
         source = record["source"]
-        if any(r["source"] == source and r["path"] == "transfer"
+        if any(r["source"] == source and r["landed_by"] == "transfer"
                for r in self.moving.values()):
             return []
         self.exports.pop(source, None)

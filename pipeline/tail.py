@@ -46,6 +46,7 @@ from .tail_tasks import (
 from .task_keys import task_key
 
 MODES = ("static", "recompute", "kv", "reconfig")
+SEED = 11  # the run seed of every draw of a tail bench batch
 
 
 @dataclass
@@ -94,7 +95,7 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     threads = dict.fromkeys(names, pc.pools["gen"].threads)
     widened: dict[str, float] = {}  # worker -> when its threads were raised
     until = 1.0 if mode == "static" else tau
-    chunks = {n: c.submit(generate_chunk_task, s, weights, spec, 11, until, f"{tag}-{n}",
+    chunks = {n: c.submit(generate_chunk_task, s, weights, spec, SEED, until, f"{tag}-{n}",
                           workers=[addr[n]], pure=False, key=task_key("chunk", 0, i, tag=tag))
               for i, (n, s) in enumerate(zip(names, shards))}
     wait(list(chunks.values()))
@@ -180,7 +181,7 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
              for s in sources if choices[s][0].path == "transfer"}
     redo = [s for s in sources if choices[s][0].path == "recompute"]
     facts, lost = land_tails(c, addr[target], sends, cuts, redo, f"{tag}-merged",
-                             (f"{tag}-{target}",), weights, spec)
+                             (f"{tag}-{target}",), weights, spec, SEED)
     del sends
     for s in sources:  # one adopt carries every move: its actual time is split by path
         kind, ctx = choices[s]
@@ -198,19 +199,21 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
 
 
 def land_tails(client, target: str, sends: dict, cuts: dict[str, pa.Table], redo: list[str],
-               key: str, local: tuple[str, ...], weights: WeightsRef,
-               spec: GenSpec) -> tuple[dict, list[str]]:
+               key: str, local: tuple[str, ...], weights: WeightsRef, spec: GenSpec,
+               seed: int) -> tuple[dict, list[str]]:
     """Adopt on ``target`` (an address) the tails exported by ``sends`` (source -> future of
     ``export_tail_task``, loosely pinned to the source) and those of ``redo`` recomputed
-    from their cut rows ``cuts`` (source -> cut), with the target's own paused ``local``,
-    as one decoding paused under ``key``. A source that died before the target fetched its
-    KV loses nothing: Dask reruns its export elsewhere, which finds no paused decoding
-    (``TailLost``), and its tail is recomputed from its cut rows, which the driver holds.
+    from their cut rows ``cuts`` (source -> cut; their draws keyed by the run ``seed``),
+    with the target's own paused ``local``, as one decoding paused under ``key``. A source
+    that died before the target fetched its KV loses nothing: Dask reruns its export
+    elsewhere, which finds no paused decoding (``TailLost``), and its tail is recomputed
+    from its cut rows, which the driver holds.
     Returns the adoption's facts and the sources whose KV was lost."""
     def adopt(sent: dict, again: list[str]) -> dict:
         rows = [cuts[s] for s in again]
         return client.submit(adopt_tails_task, list(sent.values()), key, weights, spec,
                              local=local, recompute=pa.concat_tables(rows) if rows else None,
+                             seed=seed,
                              workers=[target], pure=False).result()
 
     try:

@@ -61,10 +61,12 @@ def export_tail_task(key: str) -> TailKV:
 
 
 def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: GenSpec,
-                     local: tuple[str, ...] = (), recompute: pa.Table | None = None) -> dict:
+                     local: tuple[str, ...] = (), recompute: pa.Table | None = None,
+                     seed: int | None = None) -> dict:
     """On the target worker: the sequences of ``tails`` (fetched by Dask from the workers
     that exported them), of this worker's paused decodings ``local`` and of the cut rows
-    ``recompute`` (their context prefilled here), as one decoding paused here under ``key``.
+    ``recompute`` (their context prefilled here, their draws keyed by the ``seed`` of the
+    chunk that cut them), as one decoding paused here under ``key``.
     Returns the move's facts: bytes and context tokens received, seconds from the last
     export to this task's start (``transfer_s``: scheduling and the worker-to-worker
     fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
@@ -74,7 +76,8 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     own = [_take_paused(k) for k in local]
     stats = GenerationStats()
     if recompute is not None and len(recompute):
-        own.append(recompute_tail(engine.model, recompute, spec.sampling,
+        params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+        own.append(recompute_tail(engine.model, recompute, params,
                                   engine.tokenizer.pad_token_id, stats))
     dec, rows = import_tail(engine.model, own + list(tails))
     PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))

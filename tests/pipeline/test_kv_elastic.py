@@ -9,6 +9,8 @@ the rollouts equal uninterrupted decoding of the whole batch on one worker token
 (every draw is keyed by the run seed, the iteration, the prompt and the sample:
 ``ops/seeds.py``), every (prompt, sample) comes out once, and ``decisions.jsonl`` records
 each move's path, predicted and actual seconds and bytes, which the policy has learned from.
+A source killed after its export and before the target's adoption loses nothing (slow): the
+move lands again, recomputed from the cut rows, and the rollouts are the same.
 A short training run on the long-tail task (``task = "tally-long"``) returns every (prompt,
 sample) once and logs whatever moves its policy plans the same way (slow; at this size and
 load the real policy often plans none: one worker at lambda 0.5, and no move that pays at
@@ -22,6 +24,8 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from distributed import wait
+from worker_support import kill_worker
 
 from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
@@ -73,19 +77,26 @@ def _pairs(table: pa.Table) -> dict:
                                table.column("logprobs").to_pylist())))
 
 
-def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
-    cfg = Config(model=str(eos_model_dir), runs_dir=str(tmp_path), name="kv", n_samples=N_SAMPLES,
+def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=ElasticGeneration):
+    """One elastic iteration of 8 prompts on two float64 generation workers, sampling, by
+    ``generation`` under a ``policy_type`` whose priors make a KV transfer the cheaper path
+    of a move; checks that every (prompt, sample) comes out once, as one worker decoding the
+    whole batch uninterrupted; returns the run, the generation facts, the policy and the
+    configuration."""
+    cfg = Config(model=str(model_dir), runs_dir=str(tmp_path), name="kv", n_samples=N_SAMPLES,
                  max_new_tokens=MAX_NEW, batch_prompts=8, policy="elastic", gen_workers=2,
                  lambda_cost=1.0, tau=0.3, keep_alive_s=0.0, train_threads=1)
     run = RunDir.create(cfg)
-    specs = make_specs(cfg, eos_model_dir, run)
+    specs = make_specs(cfg, model_dir, run)
     specs = dataclasses.replace(specs, gen=dataclasses.replace(
         specs.gen, sampling=SamplingParams(MAX_NEW, temperature=1.0)))
-    weights = WeightsRef(0, str(eos_model_dir))
+    weights = WeightsRef(0, str(model_dir))
+    policy = policy_type(cfg.elastic_knobs(), transfer=TransferModel(
+        prior_latency_s=0.0, prior_bytes_per_s=1e12))
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(eos_model_dir)
-    batch = read_prompts(eos_model_dir / "train.jsonl", tok).table.slice(0, 8)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch = read_prompts(model_dir / "train.jsonl", tok).table.slice(0, 8)
     pools = [Pool("gen", 2, 1, {"GEN": 1}, "2GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
     with PoolCluster(pools, CostLedger({"gen": 1.0, "train": 1.0})) as pc:
         c = pc.client
@@ -98,9 +109,7 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
                          generation_seed(0, 1), 1.0, "whole",
                          workers=[addrs[0]], pure=False).result()
         assert len(whole["cut"]) == 0
-        policy = MovingPolicy(cfg.elastic_knobs(), transfer=TransferModel(
-            prior_latency_s=0.0, prior_bytes_per_s=1e12))
-        eg = ElasticGeneration(pc, cfg, run, policy)
+        eg = generation(pc, cfg, run, policy)
         _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
         tables = c.gather(trainables)
     got = _pairs(Generated.concat(tables).table)
@@ -109,10 +118,16 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
     for pair, (ids, lps) in reference.items():
         assert got[pair][0] == ids, pair  # token for token
         assert max((abs(x - y) for x, y in zip(got[pair][1], lps)), default=0.0) < 1e-5
+    return run, facts, policy, cfg
+
+
+def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
+    run, facts, policy, cfg = _iteration(eos_model_dir, tmp_path)
     moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
     assert moves and facts["migrated_sequences"] == sum(m["sequences"] for m in moves)
     for move in moves:
-        assert move["path"] == "transfer" and move["bytes"] > 0 and move["actual_s"] > 0
+        assert move["path"] == move["landed_by"] == "transfer"
+        assert move["bytes"] > 0 and move["actual_s"] > 0
         assert move["landed_sequences"] == move["sequences"]
         assert move["predicted_s"] == move["predicted_transfer_s"] < move["predicted_recompute_s"]
     # learned from the moves: the bytes per token of float64 caches (and the logits that
@@ -122,6 +137,43 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
     restored = ElasticPolicy(cfg.elastic_knobs())
     restored.load_state_dict(policy.state_dict())
     assert restored.kv.state_dict() == policy.kv.state_dict()
+    run.release()
+
+
+class MovingOncePolicy(MovingPolicy):
+    """Moves the first paused tail only; later tails resume where they are."""
+
+    moved = False
+
+    def migrate(self, progress, kv_transfer=False):
+        moves = [] if self.moved else super().migrate(progress, kv_transfer)
+        self.moved = self.moved or bool(moves)
+        return moves
+
+
+class SourceDiesAfterExport(ElasticGeneration):
+    """Kills the source of the first KV move once its export is done and before the
+    target's adoption is submitted: the KV exists on the dead worker only."""
+
+    def _move(self, shard, j, source, target, rows, part, path, sent, *args, **kwargs):
+        if sent is not None and not getattr(self, "killed", None):
+            wait(sent)
+            assert sent.status == "finished"
+            self.killed = source
+            kill_worker(self.pc, self.pc.address_of(source))
+        return super()._move(shard, j, source, target, rows, part, path, sent, *args, **kwargs)
+
+
+@pytest.mark.slow  # a worker killed and restarted: ~15 s
+def test_a_source_dying_before_its_kv_is_fetched_loses_nothing(eos_model_dir, tmp_path):
+    """The source's export, rerun elsewhere, finds no paused decoding (``TailLost``); the
+    move is landed again with the tail recomputed on the target from its cut rows, and the
+    iteration ends with every (prompt, sample) once, as uninterrupted decoding."""
+    run, facts, *_ = _iteration(eos_model_dir, tmp_path, MovingOncePolicy, SourceDiesAfterExport)
+    (move,) = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
+    assert move["path"] == "transfer" and move["landed_by"] == "recompute"
+    assert move["bytes"] == 0 and move["landed_sequences"] == move["sequences"]
+    assert facts["migrated_sequences"] == move["sequences"]
     run.release()
 
 

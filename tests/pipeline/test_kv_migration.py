@@ -8,12 +8,11 @@ dies before (its tail is recomputed from the tokens the driver holds)."""
 
 from __future__ import annotations
 
-import os
-import time
 from collections import Counter
 
 import pytest
 import torch
+from worker_support import kill_worker
 
 from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.generate import SamplingParams
@@ -121,17 +120,6 @@ def test_the_start_profile_measures_both_sides_and_restores_threads(cluster, eos
     assert set(cluster.client.run(torch.get_num_threads, workers=addrs).values()) == {1}
 
 
-def _kill(cluster, addr: str) -> None:
-    """Kill the worker process at ``addr`` (started by this test's cluster) and wait until
-    the scheduler has removed it."""
-    c = cluster.client
-    os.kill(c.run(os.getpid, workers=[addr])[addr], 9)
-    deadline = time.time() + 60
-    while addr in c.scheduler_info(n_workers=-1)["workers"] and time.time() < deadline:
-        time.sleep(0.1)
-    assert addr not in c.scheduler_info(n_workers=-1)["workers"]
-
-
 def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
     shard, spec, weights, (a, b, c_addr) = _setup(cluster, eos_model_dir, greedy=False)
     c = cluster.client
@@ -139,7 +127,7 @@ def test_source_dying_after_sending_loses_nothing(cluster, eos_model_dir):
                    pure=False).result()
     assert len(out["cut"]) > 0
     sent, facts, _ = _move(c, "dying", c_addr, b, weights, spec, "survivor")
-    _kill(cluster, c_addr)
+    kill_worker(cluster, c_addr)
     del sent
     rest = c.submit(resume_task, "survivor", weights, spec, workers=[b], pure=False).result()
     done = _by_pair([out["done"], rest])
@@ -164,9 +152,9 @@ def test_source_dying_before_its_kv_is_fetched_loses_nothing(cluster, eos_model_
     sent = c.submit(export_tail_task, "orphan", workers=[c_addr], allow_other_workers=True,
                     pure=False)
     assert sent.result().n_sequences == len(out["cut"])  # exported, held by the source only
-    _kill(cluster, c_addr)
+    kill_worker(cluster, c_addr)
     facts, lost = land_tails(c, b, {"src": sent}, {"src": out["cut"]}, [], "orphan-landed", (),
-                             weights, spec)
+                             weights, spec, 5)
     assert lost == ["src"] and facts["bytes"] == 0 and facts["recompute_tokens"] > 0
     del sent
     rest = c.submit(resume_task, "orphan-landed", weights, spec, workers=[b], pure=False).result()
