@@ -10,7 +10,8 @@ no sweeps) and reports, per setting, our speedup and GPU-second change vs ``verl
 paper's baseline) and ``verl-tuned``, the paper's mechanisms alone, the bound of any
 scheduler given the update, our policy at the lambda where its speed meets the paper's
 (the GPU-s change there), and the paper's figures beside them; and PAT's two settings:
-generation and step time change against the same static TP (TP 1 and 2).
+generation and step time change against the same static TP (TP 1 and 2) and generation
+against the fastest static TP.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
             "baseline_tp": rep["baseline_tp"]}
     pat = {}
     for sc in pat_scenarios():
-        rows = {r["tp"]: r for r in run_pat(sc)["rows"]}
+        rep = run_pat(sc)
+        rows = {r["tp"]: r for r in rep["rows"]}
         pat[sc.name] = {f"tp{t}": {"gen_change": round(rows[t]["gen_change"], 3),
                                    "step_change": round(rows[t]["step_change"], 3),
-                                   "bound_gen_change": round(rows[t]["bound_gen_change"], 3)}
+                                   "bound_gen_change": round(rows[t]["bound_gen_change"], 3),
+                                   "gen_change_vs_fastest": round(
+                                       rows[t]["gen_change_vs_fastest"], 3)}
                         for t in (1, 2) if t in rows}
+        pat[sc.name]["fastest_static_tp"] = rep["best_static_tp"]
         pat[sc.name].update({f"paper_{k}": v for k, v in sc.paper.items()})
     print(json.dumps({
         "bench": "simulate", "iterations": args.iterations, "prompts": args.prompts,

@@ -16,9 +16,12 @@ live sequence, it predicts the time to finish
   TP ``tp * m`` decode all of them (dealt longest-first, each to the worker that would then
   finish first; the GPUs of any live worker left over are released), after a
   reconfiguration overhead: a fixed part (weights are resharded in place and cached
-  communication groups reused, so no weights move) plus each sequence's KV cache, either
-  transferred to its new shards over the GPU link or recomputed by a prefill, whichever the
-  cost model says is faster;
+  communication groups reused, so no weights move) plus the KV cache of the sequences each
+  new worker holds at once, either transferred to its new shards (every GPU over its own
+  link, all at once) or recomputed by each new worker's prefill, whichever the cost model
+  says is faster. A new worker holds what its KV cache fits (``Profile.batch_cap``, the
+  longest first); the rest wait in its queue, as the engine queues what it cannot hold,
+  and are recomputed when admitted;
 
 and scores time and GPU-seconds like ``scaling.py`` (``lam * T / min T + (1 - lam) * C /
 min C``; ``lam = 1`` for a pool billed whole anyway). It merges only when the score beats
@@ -51,40 +54,73 @@ class TpChoice:
     groups: tuple[np.ndarray, ...] = ()  # per new worker: positions in the concatenated tails
 
 
+def held_count(profile: Profile, remaining: np.ndarray, ctx: np.ndarray) -> int:
+    """How many of these sequences (admission order) one worker holds at once: its batch
+    cap at their mean final context; the rest wait in its queue."""
+    if len(remaining) == 0:
+        return 0
+    return min(len(remaining), profile.batch_cap(float(np.mean(ctx) + np.mean(remaining))))
+
+
 def finish_seconds(profile: Profile, remaining: np.ndarray, ctx: np.ndarray) -> float:
-    """Predicted seconds for one worker to decode sequences with ``remaining`` tokens left
-    and ``ctx`` tokens of context each, all live at once: the step model summed over steps
-    (``live(s)`` sequences, each one more context token per step)."""
+    """Predicted seconds for one worker to decode sequences (admission order) with
+    ``remaining`` tokens left and ``ctx`` tokens of context each: the step model summed over
+    steps (each live sequence one more context token per step), at most ``held_count`` live
+    at once, and the prefill of the context of those that wait until admitted."""
     rem = np.asarray(remaining, dtype=np.float64)
     if rem.size == 0:
         return 0.0
     ctx = np.asarray(ctx, dtype=np.float64)
-    steps = float(max(rem.max(), rem.sum() / profile.max_batch))
+    held = held_count(profile, rem, ctx)
+    steps = float(max(rem.max(), rem.sum() / held))
     ctx_steps = float(np.sum(ctx * rem + rem * (rem - 1) / 2))
     return (profile.step_base_s * steps + profile.step_per_seq_s * float(rem.sum())
-            + profile.step_per_ctx_token_s * ctx_steps)
+            + profile.step_per_ctx_token_s * ctx_steps
+            + float(ctx[held:].sum()) / profile.prefill_tokens_per_s)
 
 
-def reconfig_overhead(profile: Profile, target: Profile, ctx_tokens: float,
-                      share_moved: float) -> tuple[float, str]:
-    """Seconds to reconfigure to ``target``'s TP with ``ctx_tokens`` of live context: the
-    fixed part plus the cheaper of moving ``share_moved`` of the KV cache over the GPU link
-    and recomputing it all at the target's prefill rate."""
-    recompute = ctx_tokens / target.prefill_tokens_per_s
+def kv_move_seconds(source: Profile, target: Profile, ctx: np.ndarray, origin: np.ndarray,
+                    groups: Sequence[np.ndarray], held: Sequence[int], m: int) -> dict[str, float]:
+    """Seconds to bring the KV cache of the sequences each new worker holds (the first
+    ``held[j]`` of ``groups[j]``) to their new shards, by each path.
+
+    ``origin``: the live worker (0, 1, ...) each sequence was on; new worker ``j`` runs on
+    the GPUs of live workers ``j*m .. j*m+m-1``. A sequence that stays on its worker's GPUs
+    keeps ``1/m`` of its KV heads in place and ships the rest; one dealt to another new
+    worker ships all of it. Every GPU sends and receives over its own link at the same time
+    (NVLink through the NVSwitch; on PCIe, each GPU's own lanes), so *transfer* takes the
+    most bytes any old worker's GPUs send or any new worker's GPUs receive, over their links;
+    *recompute* is each new worker prefilling its held contexts, all at once."""
+    moved_by_origin = np.zeros(int(origin.max()) + 1 if origin.size else 1)
+    received, recompute = [], []
+    for j, g in enumerate(groups):
+        h = np.asarray(g[:held[j]], dtype=np.int64)
+        stays = origin[h] // m == j
+        moved = ctx[h] * source.kv_bytes_per_token * np.where(stays, 1 - 1 / m, 1.0)
+        np.add.at(moved_by_origin, origin[h], moved)
+        received.append(float(moved.sum()) / (source.tp * m))
+        recompute.append(float(ctx[h].sum()) / target.prefill_tokens_per_s)
     transfer = float("inf")
-    if profile.hardware is not None and profile.kv_bytes_per_token > 0:
-        link = profile.hardware.gpu_link_gbs * 1e9 * LINK_EFFICIENCY
-        transfer = ctx_tokens * profile.kv_bytes_per_token * share_moved / link
-    kv, secs = ("transfer", transfer) if transfer <= recompute else ("recompute", recompute)
-    return RECONFIG_FIXED_S + secs, kv
+    if source.hardware is not None and source.kv_bytes_per_token > 0:
+        link = source.hardware.gpu_link_gbs * 1e9 * LINK_EFFICIENCY  # one GPU, one direction
+        transfer = max(float(moved_by_origin.max()) / source.tp, max(received, default=0.0))
+        transfer /= link
+    return {"transfer": transfer, "recompute": max(recompute, default=0.0)}
+
+
+def reconfig_overhead(seconds: Mapping[str, float]) -> tuple[float, str]:
+    """The fixed part plus the faster KV path of ``kv_move_seconds``: (seconds, path)."""
+    kv = min(seconds, key=lambda k: seconds[k])
+    return RECONFIG_FIXED_S + seconds[kv], kv
 
 
 def plan_tp(workers: Sequence[tuple[np.ndarray, np.ndarray]], profiles: Mapping[int, Profile],
             tp: int, *, lambda_cost: float = 1.0) -> TpChoice:
     """Stay at ``tp`` or merge the live ``workers`` (each: predicted remaining tokens and
-    context of its live sequences) of one node into fewer workers of a higher TP from
-    ``profiles`` (TP -> profile); pure. ``groups`` of the result index the concatenation of
-    the workers' sequences. See the module docstring."""
+    context of its live sequences, admission order) of one node into fewer workers of a
+    higher TP from ``profiles`` (TP -> profile); pure. ``groups`` of the result index the
+    concatenation of the workers' sequences, each in its new admission order. See the
+    module docstring."""
     if tp not in profiles:
         raise ValueError(f"plan_tp: current tp={tp} has no profile; profiles: {sorted(profiles)}")
     if not 0.0 <= lambda_cost <= 1.0:
@@ -97,17 +133,19 @@ def plan_tp(workers: Sequence[tuple[np.ndarray, np.ndarray]], profiles: Mapping[
         return stay
     rem = np.concatenate([r for r, _ in live])
     ctx = np.concatenate([c for _, c in live])
+    origin = np.concatenate([np.full(len(r), i) for i, (r, _) in enumerate(live)])
     # options: (tp, time, cost in GPU-seconds, overhead, kv, groups)
     options = [(tp, stay_t, tp * float(sum(each)), 0.0, "none", ())]
     m = 2
     while m <= len(live) and tp * m in profiles:
         target, k = profiles[tp * m], len(live) // m
         groups = _deal(target, rem, ctx, k)
-        if groups is not None:
-            over, kv = reconfig_overhead(profiles[tp], target, float(ctx.sum()), 1 - 1 / m)
-            ts = [finish_seconds(target, rem[g], ctx[g]) for g in groups]
-            t = over + max(ts)
-            options.append((tp * m, t, tp * m * (k * over + sum(ts)), over, kv, groups))
+        held = [held_count(target, rem[g], ctx[g]) for g in groups]
+        over, kv = reconfig_overhead(kv_move_seconds(profiles[tp], target, ctx, origin,
+                                                     groups, held, m))
+        ts = [finish_seconds(target, rem[g], ctx[g]) for g in groups]
+        t = over + max(ts)
+        options.append((tp * m, t, tp * m * (k * over + sum(ts)), over, kv, groups))
         m *= 2
     t_min = min(o[1] for o in options)
     c_min = min(o[2] for o in options)
@@ -126,10 +164,9 @@ def plan_tp(workers: Sequence[tuple[np.ndarray, np.ndarray]], profiles: Mapping[
                     f"({best[4]} KV, overhead {best[3]:.2f} s)", best[5])
 
 
-def _deal(profile: Profile, rem: np.ndarray, ctx: np.ndarray,
-          k: int) -> tuple[np.ndarray, ...] | None:
+def _deal(profile: Profile, rem: np.ndarray, ctx: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
     """Sequences dealt longest-first over ``k`` workers, each to the one with the least
-    predicted work so far; None when a worker's share exceeds its batch cap."""
+    predicted work so far; each worker's list is in that order (its longest admitted first)."""
     picks: list[list[int]] = [[] for _ in range(k)]
     work = (profile.step_base_s * rem + (profile.step_per_seq_s
                                          + profile.step_per_ctx_token_s * ctx) * rem).tolist()
@@ -138,7 +175,4 @@ def _deal(profile: Profile, rem: np.ndarray, ctx: np.ndarray,
         load, i = heapq.heappop(heap)
         picks[i].append(j)
         heapq.heappush(heap, (load + work[j], i))
-    cap = profile.batch_cap(float(ctx.mean() + rem.mean()))
-    if max(len(p) for p in picks) > cap:
-        return None
     return tuple(np.asarray(p, dtype=np.int64) for p in picks)

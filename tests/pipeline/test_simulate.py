@@ -34,6 +34,11 @@ def test_simulate_writes_report_and_prints_headline(tmp_path, capsys):
         assert row in report, row
     results = json.loads((out / "results.json").read_text())
     assert [r["scenario"]["name"] for r in results] == ["paper-physical", "paper-simulated"]
+    pats = json.loads((out / "pat.json").read_text())
+    assert "vs fastest static TP" in report
+    assert all(r["gen_change_vs_fastest"] == pytest.approx(
+        r["pat_gen_s"] / min(p["rows"], key=lambda x: x["static_step_s"])["static_gen_s"] - 1)
+        for p in pats for r in p["rows"])
     assert "Training modes vs sync" in report and "ReFlow 2.06x" in report
     modes = json.loads((out / "modes.json").read_text())
     assert [m["scenario"]["name"] for m in modes] == ["paper-physical", "paper-simulated",

@@ -8,8 +8,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rlhfless.schedulers.pat import plan_tp, reconfig_overhead
-from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.pat import (
+    RECONFIG_FIXED_S,
+    finish_seconds,
+    held_count,
+    kv_move_seconds,
+    plan_tp,
+    reconfig_overhead,
+)
+from rlhfless.schedulers.profiles import LINK_EFFICIENCY, get_profile
 from rlhfless.schedulers.sim_policy import VERL_TUNED
 from rlhfless.schedulers.simulator import ClusterConfig, simulate
 from rlhfless.schedulers.workloads import LONG_COT, synthetic_trace
@@ -41,14 +48,40 @@ def test_no_merge_when_the_overhead_exceeds_the_gain():
 
 
 def test_kv_moves_by_transfer_or_recompute_by_cost():
-    over, kv = reconfig_overhead(PROFILES[1], PROFILES[2], 1e5, 0.5)
-    assert kv == "transfer"  # NVLink ships the KV faster than a prefill recomputes it
-    slow_hw = dataclasses.replace(BASE.hardware, gpu_link_gbs=1e-3)
-    slow = PROFILES[1].replace(hardware=slow_hw)
-    over_slow, kv_slow = reconfig_overhead(slow, PROFILES[2], 1e5, 0.5)
-    assert kv_slow == "recompute" and over_slow == pytest.approx(
-        0.3 + 1e5 / PROFILES[2].prefill_tokens_per_s)
-    assert over < over_slow
+    # 4 TP-1 workers, one sequence of 1e5 context tokens each, merged into 2 x TP 2
+    ctx, origin, kvb = np.full(4, 1e5), np.arange(4), PROFILES[1].kv_bytes_per_token
+    link = BASE.hardware.gpu_link_gbs * 1e9 * LINK_EFFICIENCY
+    stay_home = kv_move_seconds(PROFILES[1], PROFILES[2], ctx, origin,
+                                (np.array([0, 1]), np.array([2, 3])), [2, 2], 2)
+    # each GPU keeps half its heads and ships half, all GPUs at once: one GPU's half
+    assert stay_home["transfer"] == pytest.approx(1e5 * kvb / 2 / link)
+    assert stay_home["recompute"] == pytest.approx(2e5 / PROFILES[2].prefill_tokens_per_s)
+    crossed = kv_move_seconds(PROFILES[1], PROFILES[2], ctx, origin,
+                              (np.array([0, 2]), np.array([1, 3])), [2, 2], 2)
+    assert crossed["transfer"] == pytest.approx(1e5 * kvb / link)  # dealt away: all of it
+    queued = kv_move_seconds(PROFILES[1], PROFILES[2], ctx, origin,
+                             (np.array([0, 1]), np.array([2, 3])), [1, 1], 2)
+    assert queued["recompute"] == pytest.approx(1e5 / PROFILES[2].prefill_tokens_per_s)
+    over, kv = reconfig_overhead(stay_home)
+    assert kv == "transfer" and over == pytest.approx(RECONFIG_FIXED_S + stay_home["transfer"])
+    assert reconfig_overhead({"transfer": float("inf"), "recompute": 2.0}) == (
+        pytest.approx(RECONFIG_FIXED_S + 2.0), "recompute")
+
+
+def test_a_merge_queues_what_the_new_worker_cannot_hold():
+    # 8 TP-1 workers with 8 sequences each; a merged worker's KV cache holds half of its share
+    small = {t: p.replace(kv_capacity_tokens=4 * t * 8000) if t > 1 else p
+             for t, p in PROFILES.items()}
+    rem, ctx = np.full(64, 3000.0), np.full(64, 5000.0)
+    assert held_count(small[8], rem, ctx) == 32
+    # the queue: twice the steps of one held batch, and the waiting contexts prefilled
+    p = small[8]
+    expect = (p.step_base_s * 6000 + p.step_per_seq_s * rem.sum()
+              + p.step_per_ctx_token_s * np.sum(ctx * rem + rem * (rem - 1) / 2)
+              + 32 * 5000 / p.prefill_tokens_per_s)
+    assert finish_seconds(p, rem, ctx) == pytest.approx(expect)
+    choice = plan_tp(tails(8, 8, 3000, 5000), small, 1)
+    assert choice.tp > 1  # queueing half still beats eight weight-bound workers
 
 
 def test_pat_in_the_simulator_conserves_samples_and_shortens_generation():
@@ -64,3 +97,17 @@ def test_pat_in_the_simulator_conserves_samples_and_shortens_generation():
     assert pat.summary()["reconfigurations"] > 0
     assert pat.summary()["gen_s"] < 0.9 * static.summary()["gen_s"]
     assert pat.gpu_seconds() == pytest.approx(8 * pat.t_end)  # reserved: GPUs x lifetime
+
+
+def test_a_recomputed_kv_cache_is_charged_once():
+    # no KV transfer path: every merge recomputes; the recompute is the overhead, so the
+    # merged runs prefill nothing more than the static run did (everything fits here)
+    cfg = dataclasses.replace(LONG_COT, dataset_prompts=64, batch_prompts=32, iterations=2,
+                              max_response_tokens=4096)
+    trace = synthetic_trace(cfg)
+    no_link = BASE.replace(kv_bytes_per_token=0.0)
+    static = simulate(trace, no_link, ClusterConfig(8), VERL_TUNED.replace(tp=1))
+    pat = simulate(trace, no_link, ClusterConfig(8), VERL_TUNED.replace(tp=1, pat=True))
+    assert pat.summary()["reconfigurations"] > 0
+    for s_it, p_it in zip(static.iterations, pat.iterations, strict=True):
+        assert p_it.prefill_tokens == pytest.approx(s_it.prefill_tokens)
