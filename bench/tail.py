@@ -83,9 +83,10 @@ def fit_length(table: pa.Table):
 
 
 def reconfig_bound(profile) -> dict:
-    """Where the profile says a reconfiguration pays before any move cost: per tail batch
-    ``b`` on each worker, one worker with both threads decoding the ``WORKERS * b`` against
-    each decoding its own, needed above ``1 / (1 - noise)`` (``plan_reconfig``'s margin)."""
+    """Where the profile says a reconfiguration of even tails pays before any move cost: per
+    tail batch ``b`` on each worker, one worker with both threads decoding the
+    ``WORKERS * b`` against each decoding its own, needed above ``1 / (1 - noise)``
+    (``plan_reconfig``'s margin; uneven tails can pay at less)."""
     need = 1 / (1 - profile.noise) if profile.noise < 1 else float("inf")
     gain = {b: round(profile.consolidation_speedup(b, WORKERS), 3) for b in PROFILE_BATCHES}
     return {"consolidation_speedup": gain, "needed": round(need, 3),

@@ -254,9 +254,10 @@ def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) ->
     ``lengths``: per worker (one thread each), the response tokens of its sequences.
     Statically each worker decodes in ``a_1 max + c_1 sum`` and the slowest sets the
     latency. No move or reconfiguration decodes the longest response faster than alone at
-    its best thread count (``chain_s``: ``min_t (a_t + c_t) L_max``), nor the pool's tokens
-    faster than their per-token core-seconds spread over the pool's cores (``work_s``:
-    ``min_t c_t t sum / W``); ``bound_s`` is the larger of the two."""
+    its best thread count (``chain_s``: ``min_t (a_t + c_t) L_max``), nor the pool's work
+    faster than spread evenly over its ``W`` cores: at least ``L_max`` steps and every token,
+    a step on ``t`` threads taking ``t`` cores (``work_s``: ``min_t t (a_t L_max + c_t sum) /
+    W``); ``bound_s`` is the larger of the two."""
     lens = {w: np.asarray(v, dtype=np.float64) for w, v in lengths.items() if len(v)}
     if not lens:
         raise ValueError("latency_bound: no sequences")
@@ -265,7 +266,8 @@ def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) ->
     longest = max(v.max() for v in lens.values())
     total = sum(v.sum() for v in lens.values())
     chain_s = min((a + c) * longest for a, c in profile.fit.values())
-    work_s = min(c * t * total / len(lengths) for t, (_, c) in profile.fit.items())
+    work_s = min(t * (a * longest + c * total) / len(lengths)
+                 for t, (a, c) in profile.fit.items())
     return {"static_s": float(static_s), "chain_s": float(chain_s), "work_s": float(work_s),
             "bound_s": float(max(chain_s, work_s)), "longest": int(longest),
             "tokens": int(total)}

@@ -82,14 +82,16 @@ def test_consolidation_speedup_charges_the_doubled_batch():
 
 def test_latency_bound_is_the_longest_chain_or_the_spread_work():
     lengths = {"a": [40, 10], "b": [5, 5]}
-    bound = latency_bound(_profile(2.0), lengths)
+    bound = latency_bound(_profile(1.0), lengths)
     assert bound["static_s"] == pytest.approx(0.010 * 40 + 0.001 * 50)  # worker a
-    assert bound["chain_s"] == pytest.approx((0.010 + 0.001) / 2 * 40)  # 2 threads, alone
-    assert bound["work_s"] == pytest.approx(0.001 * 60 / 2)
+    assert bound["chain_s"] == pytest.approx((0.010 + 0.001) * 40)
+    assert bound["work_s"] == pytest.approx((0.010 * 40 + 0.001 * 60) / 2)
     assert bound["bound_s"] == bound["chain_s"] and bound["longest"] == 40
+    # two threads twice as fast: the longest response alone runs at half the time
+    assert latency_bound(_profile(2.0), lengths)["chain_s"] == pytest.approx(0.011 * 40 / 2)
     # many short responses: the work, not the longest one, bounds the latency
     many = latency_bound(_profile(1.0), {"a": [10] * 200, "b": [10] * 200})
-    assert many["bound_s"] == many["work_s"] == pytest.approx(0.001 * 4000 / 2)
+    assert many["bound_s"] == many["work_s"] == pytest.approx((0.010 * 10 + 0.001 * 4000) / 2)
     with pytest.raises(ValueError, match="no sequences"):
         latency_bound(_profile(1.0), {"a": []})
 
