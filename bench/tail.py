@@ -15,9 +15,14 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
    (the choice is made first, from the models fitted so far); a choice is right when its
    path was the faster one measured.
 
+With them, per model, the bounds: ``reconfig_bound`` (what consolidating even tails gains
+per step by the profile, against the margin it must clear) and ``latency_bound`` (the
+static run's decode by the fitted step model, and the best latency any move or
+reconfiguration could give: ``tail_cost.latency_bound``).
+
 ``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
 ``tiny`` the one where it does not. Prints one JSON line.
-``python bench/tail.py [--models tiny,wide] [--prompts 24]``
+``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6]``
 """
 
 from __future__ import annotations
