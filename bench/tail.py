@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from rlhfless.ops.benchmodel import ensure_bench_model
+from rlhfless.ops.benchmodel import BENCH_SIZES, ensure_bench_model
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
@@ -212,6 +212,9 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.6)
     ap.add_argument("--audit", type=int, default=6)
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - {"tiny", *BENCH_SIZES}
+    if unknown:
+        ap.error(f"--models: {', '.join(sorted(unknown))}; allowed: tiny, {', '.join(BENCH_SIZES)}")
     task = LongTailTallyTask(n_train=args.prompts, n_heldout=1, n_sft=0)
     rows = make_splits(task, seed=1)["train"]
     started = time.time()
