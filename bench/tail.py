@@ -15,9 +15,14 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
    (the choice is made first, from the models fitted so far); a choice is right when its
    path was the faster one measured.
 
+With them, per model, the bounds: ``reconfig_bound`` (what consolidating even tails gains
+per step by the profile, against the margin it must clear) and ``latency_bound`` (the
+static run's decode by the fitted step model, and the best latency any move or
+reconfiguration could give: ``tail_cost.latency_bound``).
+
 ``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
 ``tiny`` the one where it does not. Prints one JSON line.
-``python bench/tail.py [--models tiny,wide] [--prompts 24]``
+``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6]``
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from rlhfless.ops.benchmodel import ensure_bench_model
+from rlhfless.ops.benchmodel import BENCH_SIZES, ensure_bench_model
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
@@ -50,11 +55,11 @@ from rlhfless.pipeline.tail_tasks import (
     move_actual_s,
 )
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.tail_cost import KvCosts, TransferModel
+from rlhfless.schedulers.tail_cost import KvCosts, TransferModel, latency_bound
 from rlhfless.schedulers.throughput import ThroughputModel
 
 WORKERS = 2
-PROFILE_BATCHES = (1, 8)  # decode step profile: live batch sizes a tail runs at
+PROFILE_BATCHES = (1, 8, 16)  # decode step profile: live batch sizes a tail runs at
 
 
 def plain(value):
@@ -80,6 +85,33 @@ def fit_length(table: pa.Table):
     y = np.array([len(r) for r in table.column("response_ids").to_pylist()], dtype=float)
     slope, intercept = np.polyfit(x, y, 1)
     return lambda prompt_tokens: float(intercept + slope * prompt_tokens)
+
+
+def reconfig_bound(profile) -> dict:
+    """Where the profile says a reconfiguration of even tails pays before any move cost: per
+    tail batch ``b`` on each worker, one worker with both threads decoding the
+    ``WORKERS * b`` against each decoding its own, needed above ``1 / (1 - noise)``
+    (``plan_reconfig``'s margin; uneven tails can pay at less)."""
+    need = 1 / (1 - profile.noise) if profile.noise < 1 else float("inf")
+    gain = {b: round(profile.consolidation_speedup(b, WORKERS), 3) for b in PROFILE_BATCHES}
+    return {"consolidation_speedup": gain, "needed": round(need, 3),
+            "pays": {b: g > need for b, g in gain.items()}}
+
+
+def static_bound(profile, res: dict) -> dict:
+    """``tail_cost.latency_bound`` of the static run's responses (by the worker that
+    decoded them), and the best latency gain against static that any move or
+    reconfiguration could give: its decode seconds at the bound, the rest (prefill,
+    scheduling: measured minus modelled) kept."""
+    table = res["rollouts"]
+    lengths: dict[str, list[int]] = {}
+    for w, r in zip(table.column("worker").to_pylist(), table.column("response_ids").to_pylist()):
+        lengths.setdefault(w, []).append(len(r))
+    bound = latency_bound(profile, lengths)
+    rest = res["generation_s"] - bound["static_s"]
+    best = 1 - (rest + bound["bound_s"]) / res["generation_s"]
+    return {k: round(v, 3) for k, v in bound.items()} | {
+        "static_measured_s": round(res["generation_s"], 3), "best_gain": round(best, 3)}
 
 
 def audit(pc, names, prompts, spec, weights, models: TailModels, rounds: int) -> list[dict]:
@@ -134,9 +166,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
                                     out["kv_bytes_per_token"]), profile)
         out["profile"] = profile.to_record()
         out["thread_speedup"] = {b: round(profile.speedup(b, 2), 3) for b in PROFILE_BATCHES}
-        # what plan_reconfig needs of 2 threads, before any move cost: beat 1 by the noise
-        out["threads_pay_by_profile"] = {b: profile.speedup(b, 2) * (1 - profile.noise) > 1
-                                         for b in PROFILE_BATCHES}
+        out["reconfig_bound"] = reconfig_bound(profile)
         # prime the cost models with two moves of this run (as a live run's first tails)
         out["audit_warmup"] = audit(pc, names, prompts, spec, weights, models, 2)
         predict_len = None
@@ -151,6 +181,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
                 predict_len = fit_length(res["rollouts"])
                 out["response_tokens"] = {"median": statistics.median(lengths),
                                           "max": max(lengths)}
+                out["latency_bound"] = static_bound(profile, res)
             out[mode] = {"generation_s": round(res["generation_s"], 3),
                          "worker_s": round(res["worker_s"], 3), "core_s": round(res["core_s"], 3),
                          "exactly_once": len(pairs) == len(prompts) * args.n_samples
@@ -162,6 +193,8 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
     for mode in MODES[1:]:
         for key in ("generation_s", "worker_s", "core_s"):
             out[mode][f"{key}_vs_static"] = round(out[mode][key] / static[key], 3)
+    out["latency_bound"]["measured_vs_static"] = {
+        mode: out[mode]["generation_s_vs_static"] for mode in MODES[1:]}
     out["reconfig_fired"] = bool(out["reconfig"]["decision"].get("reconfig", {}).get("fire"))
     moves = [m for mode in MODES for m in out[mode]["decision"].get("moves", [])]
     out["moves"] = len(moves)
@@ -179,6 +212,9 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.6)
     ap.add_argument("--audit", type=int, default=6)
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - {"tiny", *BENCH_SIZES}
+    if unknown:
+        ap.error(f"--models: {', '.join(sorted(unknown))}; allowed: tiny, {', '.join(BENCH_SIZES)}")
     task = LongTailTallyTask(n_train=args.prompts, n_heldout=1, n_sft=0)
     rows = make_splits(task, seed=1)["train"]
     started = time.time()

@@ -182,6 +182,15 @@ class StepProfile:
         a, c = self.fit[threads]
         return (a0 + c0 * batch) / (a + c * batch)
 
+    def consolidation_speedup(self, batch: int, workers: int) -> float:
+        """Per step, how much sooner one worker with the threads of ``workers`` one-thread
+        workers decodes all their tails of ``batch`` sequences each (one batch of
+        ``workers * batch``) than they do, each its own at once: a reconfiguration pays only
+        where this exceeds ``1 / (1 - noise)``, before any move cost."""
+        a1, c1 = self.fit[1]
+        a, c = self.fit[workers]
+        return (a1 + c1 * batch) / (a + c * workers * batch)
+
     def to_record(self) -> dict:
         return {"fit": {str(t): list(ac) for t, ac in self.fit.items()},
                 "noise": self.noise,
@@ -238,3 +247,27 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
                           float(overhead_s[target]), stay_cs, move_cs,
                           ("consolidate: " if fire else "stay: ") + why)
+
+
+def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) -> dict:
+    """The decode seconds of a batch statically and at best, from the step model.
+    ``lengths``: per worker (one thread each), the response tokens of its sequences.
+    Statically each worker decodes in ``a_1 max + c_1 sum`` and the slowest sets the
+    latency. No move or reconfiguration decodes the longest response faster than alone at
+    its best thread count (``chain_s``: ``min_t (a_t + c_t) L_max``), nor the pool's work
+    faster than spread evenly over its ``W`` cores: at least ``L_max`` steps and every token,
+    a step on ``t`` threads taking ``t`` cores (``work_s``: ``min_t t (a_t L_max + c_t sum) /
+    W``); ``bound_s`` is the larger of the two."""
+    lens = {w: np.asarray(v, dtype=np.float64) for w, v in lengths.items() if len(v)}
+    if not lens:
+        raise ValueError("latency_bound: no sequences")
+    a1, c1 = profile.fit[1]
+    static_s = max(a1 * v.max() + c1 * v.sum() for v in lens.values())
+    longest = max(v.max() for v in lens.values())
+    total = sum(v.sum() for v in lens.values())
+    chain_s = min((a + c) * longest for a, c in profile.fit.values())
+    work_s = min(t * (a * longest + c * total) / len(lengths)
+                 for t, (a, c) in profile.fit.items())
+    return {"static_s": float(static_s), "chain_s": float(chain_s), "work_s": float(work_s),
+            "bound_s": float(max(chain_s, work_s)), "longest": int(longest),
+            "tokens": int(total)}

@@ -9,6 +9,7 @@ from rlhfless.schedulers.tail_cost import (
     StepProfile,
     TransferModel,
     choose_kv_path,
+    latency_bound,
     plan_reconfig,
 )
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -69,6 +70,30 @@ def test_a_gain_inside_the_profile_noise_does_not_fire():
     assert plan_reconfig(TAILS, {"a": 1, "b": 1}, clean, overhead).fire
     quiet = plan_reconfig(TAILS, {"a": 1, "b": 1}, noisy, overhead)
     assert not quiet.fire and quiet.move_s < quiet.stay_s and "noise" in quiet.reason
+
+
+def test_consolidation_speedup_charges_the_doubled_batch():
+    """Two threads 1.8x faster at the same batch; consolidating two tails of 4 doubles the
+    batch: (10 + 4) ms against (10 + 8) / 1.8 ms, 1.4x."""
+    profile = _profile(1.8)
+    assert profile.speedup(4, 2) == pytest.approx(1.8)
+    assert profile.consolidation_speedup(4, 2) == pytest.approx(0.014 * 1.8 / 0.018)
+
+
+def test_latency_bound_is_the_longest_chain_or_the_spread_work():
+    lengths = {"a": [40, 10], "b": [5, 5]}
+    bound = latency_bound(_profile(1.0), lengths)
+    assert bound["static_s"] == pytest.approx(0.010 * 40 + 0.001 * 50)  # worker a
+    assert bound["chain_s"] == pytest.approx((0.010 + 0.001) * 40)
+    assert bound["work_s"] == pytest.approx((0.010 * 40 + 0.001 * 60) / 2)
+    assert bound["bound_s"] == bound["chain_s"] and bound["longest"] == 40
+    # two threads twice as fast: the longest response alone runs at half the time
+    assert latency_bound(_profile(2.0), lengths)["chain_s"] == pytest.approx(0.011 * 40 / 2)
+    # many short responses: the work, not the longest one, bounds the latency
+    many = latency_bound(_profile(1.0), {"a": [10] * 200, "b": [10] * 200})
+    assert many["bound_s"] == many["work_s"] == pytest.approx((0.010 * 10 + 0.001 * 4000) / 2)
+    with pytest.raises(ValueError, match="no sequences"):
+        latency_bound(_profile(1.0), {"a": []})
 
 
 def test_profile_needs_two_batch_sizes_per_thread_count_and_samples():
