@@ -48,14 +48,20 @@ from rlhfless.pipeline.runs import RunDir
 from rlhfless.schedulers.ledger import CostLedger
 
 MODES = ("sync", "async", "replay", "async+replay")
+# a bench mode beside the config's: replay whose groups replace the prompts predicted longest
+LONGEST = "replay-longest"
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 # replay diagnostics (ops/replay_stats.py, ops/update.py), averaged over iterations
 DIAGNOSTICS = ("replay_share", "replay_grad_token_share", "replay_age_mean",
-               "tis_weight_mean_older", "fresh_informative_frac")
+               "tis_weight_mean_older", "fresh_informative_frac", "response_len_mean",
+               "response_len_max", "fresh_reward_mean", "replayed_reward_mean")
 
 
 def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
-    return Config(name=name, runs_dir=runs_dir, mode=mode, seed=args.seed, lr=args.lr,
+    longest = mode == LONGEST
+    return Config(name=name, runs_dir=runs_dir, mode="replay" if longest else mode,
+                  replay_longest=longest, replay_max_skips=args.replay_max_skips,
+                  seed=args.seed, lr=args.lr,
                   iterations=100_000, max_wall_s=args.budget_s, eval_every=100_000,
                   checkpoint_every=100_000, keep_weights=100_000, heldout_prompts=args.heldout,
                   policy=args.policy, gen_workers=args.gen_workers,
@@ -159,16 +165,17 @@ def main() -> None:
     parser.add_argument("--replay-max-grad-share", type=float,
                         default=Config.replay_max_grad_share)
     parser.add_argument("--replay-age-decay", type=float, default=Config.replay_age_decay)
+    parser.add_argument("--replay-max-skips", type=int, default=Config.replay_max_skips)
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated, sync first (the baseline)")
+                        help=f"comma-separated, sync first (the baseline); also {LONGEST}")
     parser.add_argument("--heldout", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     ensure_tiny_model(log=lambda *_: None)  # build outside the timed runs
     started = time.time()
     chosen = tuple(args.modes.split(","))
-    if chosen[0] != "sync" or not set(chosen) <= set(MODES):
-        parser.error(f"--modes: sync first, then any of {MODES[1:]}")
+    if chosen[0] != "sync" or not set(chosen) <= {*MODES, LONGEST}:
+        parser.error(f"--modes: sync first, then any of {(*MODES[1:], LONGEST)}")
     order = [*chosen, *reversed(chosen)][: len(chosen) * args.repeats]
     with tempfile.TemporaryDirectory() as runs_dir:
         runs = [run_once(f"{mode.replace('+', '-')}-{i}", mode, args, runs_dir) | {"mode": mode}
@@ -190,7 +197,7 @@ def main() -> None:
         "replay_ratio": args.replay_ratio, "replay_max_age": args.replay_max_age,
         "tis_cap": args.tis_cap, "replay_share": args.replay_share,
         "replay_max_grad_share": args.replay_max_grad_share,
-        "replay_age_decay": args.replay_age_decay,
+        "replay_age_decay": args.replay_age_decay, "replay_max_skips": args.replay_max_skips,
         "heldout_prompts": args.heldout,
         "accuracy_at_start": accuracy[0, 0],
         "modes": modes,
@@ -200,7 +207,7 @@ def main() -> None:
             m: round(modes[m]["accuracy_vs_wall"][-1][1] - sync["accuracy_vs_wall"][-1][1], 4)
             for m in chosen[1:]},
         "amdahl_bound_vs_sync": {m: round(amdahl_bound(m, t, g, modes[m]["replayed_frac"]), 3)
-                                 for m in chosen[1:]},
+                                 for m in chosen[1:] if m != LONGEST},
         "bench_s": round(time.time() - started),
     }))
 

@@ -149,7 +149,7 @@ class ModeRunner:
                                  mix="fill" if cfg.overlaps else "replace",
                                  sharing=cfg.replay_share,
                                  max_grad_share=cfg.replay_max_grad_share)
-        self.log_decision = eg.log
+        self.log_decision, self.lengths = eg.log, eg.policy  # lengths: its predictor's
         self.jobs: dict[int, Job] = {}
         self.expected = self.next = 1  # the next step, and the next batch to generate
         self.consumed = sampler.position  # data position of the batches trained so far
@@ -159,7 +159,8 @@ class ModeRunner:
         if not self.cfg.replays:
             return None
         return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed,
-                            age_decay=self.cfg.replay_age_decay)
+                            age_decay=self.cfg.replay_age_decay,
+                            max_skips=self.cfg.replay_max_skips)
 
     # ---- the loop's side ---------------------------------------------------------------
 
@@ -255,18 +256,38 @@ class ModeRunner:
         if self.buffer is None:
             return self.sampler.next_batch(), []
         decision = self.share.decide()
-        batch = self.sampler.next_batch(decision.fresh)
-        replayed = self.buffer.sample(decision.replayed, target,
-                                      exclude=batch.column("prompt_id").to_pylist())
-        if decision.fresh + len(replayed) < self.cfg.batch_prompts:
-            more = self.sampler.next_batch(self.cfg.batch_prompts - decision.fresh
-                                           - len(replayed))
+        if self.cfg.replay_longest:
+            batch, replayed, facts = self._replace_longest(decision.replayed, target)
+        else:
+            batch, facts = self.sampler.next_batch(decision.fresh), {}
+            replayed = self.buffer.sample(decision.replayed, target,
+                                          exclude=batch.column("prompt_id").to_pylist())
+        if len(batch) + len(replayed) < self.cfg.batch_prompts:
+            more = self.sampler.next_batch(self.cfg.batch_prompts - len(batch) - len(replayed))
             batch = pa.concat_tables([batch, more])
         self.log_decision(i, pool="replay", kind="replay_share", mix=self.share.mix,
                           sharing=self.share.sharing, target_version=target,
                           max_age=self.cfg.replay_max_age, buffer_groups=len(self.buffer),
-                          drawn=len(replayed), **decision.to_record())
+                          drawn=len(replayed), **decision.to_record(), **facts)
         return batch, replayed
+
+    def _replace_longest(self, n: int, target: int) -> tuple[pa.Table, list[pa.Table], dict]:
+        """A whole batch drawn, its ``n`` prompts predicted longest replaced by replayed
+        groups (``ReplayBuffer.replace``): the predictor's longest sample of the group, ties
+        (prompts it has not seen) broken by the longer prompt."""
+        batch = self.sampler.next_batch()
+        ids = batch.column("prompt_id").to_pylist()
+        predicted = self.lengths.predict(ids)[1]
+        tokens = np.array([len(p) for p in batch.column("prompt_ids").to_pylist()])
+        order = np.lexsort((-tokens, -predicted))  # longest first
+        replaced, replayed = self.buffer.replace([ids[k] for k in order], n, target)
+        gone = order[replaced]
+        fresh = np.setdiff1d(np.arange(len(ids)), gone)
+        facts = {"longest": True, "replaced_predicted_max": predicted[gone].tolist(),
+                 "fresh_predicted_max": float(predicted[fresh].max()),
+                 "replaced_prompt_tokens": tokens[gone].tolist(),
+                 "fresh_prompt_tokens_max": int(tokens[fresh].max())}
+        return batch.take(fresh), replayed, facts
 
     # ---- consumer ----------------------------------------------------------------------
 
