@@ -23,6 +23,18 @@ generates only the rest (*replace*). Generation demand shrinks with it: the stat
 shards get fewer prompts, and the elastic policy sizes its pool from the prompts actually
 generated. After the update the fresh groups join the buffer.
 
+Which prompts the replayed groups replace: by default the last of the batch in data order
+(they are drawn by the next batch instead). With ``replay_longest = true`` a whole batch is
+drawn and the prompts predicted longest are replaced (``_replace_longest``): decode time
+follows the batch's longest sequence, not its row count, so dropping the longest prompts
+shortens generation more than dropping as many random ones. The prediction is the length
+predictor's longest sample of the group (``schedulers/predictor.py``); for prompts it has
+not seen, whose predictions are all the same fallback, the longer prompt ranks first. A
+replaced prompt is not generated at that draw (the data moves on a whole batch), so long
+prompts are trained fresh less often: ``replay_max_skips`` bounds it, a prompt replaced at
+its last ``replay_max_skips`` draws in a row is generated fresh at the next
+(``ReplayBuffer.replace``). The decision record says which predicted lengths were replaced.
+
 ``mode = "async+replay"`` does both: batches are generated ahead as in async mode, and each
 takes its replayed groups from the buffer when it is drawn (fresh groups join the buffer
 when their update is done, so a batch drawn ahead does not see the groups of the update
