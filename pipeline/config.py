@@ -111,7 +111,7 @@ class Config:
     replay_share: str = "fixed"  # fixed: replay_ratio always; adaptive: by gen/update balance
     replay_age_decay: float = 1.0  # replay: a group's draw weight shrinks by this per version
     replay_max_grad_share: float = 0.5  # replay: most replayed share of informative groups
-    replay_longest: bool = False  # replay: replayed groups replace the prompts predicted longest
+    replay_longest: bool = False  # replay: replace the prompts predicted longest (costs accuracy)
     replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
