@@ -169,7 +169,8 @@ class ReplayBuffer:
         spare = sum(grp.prompt_id not in batch for grp in self.groups)
         may = [k for k, p in enumerate(prompt_ids) if self.skips.get(p, 0) < self.max_skips]
         replaced = may[:min(n_groups, spare)]
-        kept = [p for k, p in enumerate(prompt_ids) if k not in set(replaced[:])]
+        gone = set(replaced)
+        kept = [p for k, p in enumerate(prompt_ids) if k not in gone]
         groups = self.sample(len(replaced), current_version, exclude=kept)
         for k in replaced:
             self.skips[prompt_ids[k]] = self.skips.get(prompt_ids[k], 0) + 1
