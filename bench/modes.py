@@ -9,7 +9,16 @@ load weighs on every mode alike; throughput and accuracy are averaged over the r
 
 Every published version is kept. Afterwards, on one cluster and outside the timed runs, the
 version each run had reached at a few common wall times and sample counts is evaluated on
-the same held-out prompts (greedy decoding, as the training loop's evaluation).
+the same held-out prompts (greedy decoding, as the training loop's evaluation; by default
+all 256 of the tiny task's). ``accuracy_at_budget_minus_sync`` gives each mode's difference
+at the budget with its standard error over the held-out prompts, paired (every run answers
+the same prompts): the mean over a mode's runs of each prompt's reward, minus sync's, then
+the mean and ``std / sqrt(n)`` of those differences. It does not include the spread between
+training runs; ``accuracy_at_budget_each_run`` shows that.
+
+``replay-longest`` is mode replay with ``replay_longest = true``: the replayed groups
+replace the prompts of the batch predicted longest (pipeline/modes.py) rather than the last
+drawn. Its row-count Amdahl bound below would not bound it, so none is given.
 
 Throughput is samples trained (fresh and replayed) per second of training, from the first
 iteration's start to the last one's end. ``amdahl_bound_vs_sync`` is the most each mode could
@@ -27,6 +36,7 @@ run leaves one pool idle while the other works. Prints one JSON line.
                           [--modes sync,async,replay,async+replay] [--replay-max-age 3]
                           [--tis-cap 2.0] [--replay-share adaptive]
                           [--replay-max-grad-share 0.5] [--replay-age-decay 1.0]
+                          [--replay-max-skips 1] [--heldout 256]
 """
 
 from __future__ import annotations
@@ -39,23 +49,32 @@ import time
 from pathlib import Path
 from statistics import mean
 
+import numpy as np
+
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.cluster import PoolCluster, pools_from_config
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.loop import evaluate, load_prompt_sets, make_specs, resolve_model, train
+from rlhfless.pipeline.drivers import heldout_rollouts
+from rlhfless.pipeline.loop import load_prompt_sets, make_specs, resolve_model, train
 from rlhfless.pipeline.runs import RunDir
 from rlhfless.schedulers.ledger import CostLedger
 
 MODES = ("sync", "async", "replay", "async+replay")
+# a bench mode beside the config's: replay whose groups replace the prompts predicted longest
+LONGEST = "replay-longest"
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 # replay diagnostics (ops/replay_stats.py, ops/update.py), averaged over iterations
 DIAGNOSTICS = ("replay_share", "replay_grad_token_share", "replay_age_mean",
-               "tis_weight_mean_older", "fresh_informative_frac")
+               "tis_weight_mean_older", "fresh_informative_frac", "response_len_mean",
+               "response_len_max", "fresh_reward_mean", "replayed_reward_mean")
 
 
 def make_cfg(name: str, mode: str, args, runs_dir: str) -> Config:
-    return Config(name=name, runs_dir=runs_dir, mode=mode, seed=args.seed, lr=args.lr,
+    longest = mode == LONGEST
+    return Config(name=name, runs_dir=runs_dir, mode="replay" if longest else mode,
+                  replay_longest=longest, replay_max_skips=args.replay_max_skips,
+                  seed=args.seed, lr=args.lr,
                   iterations=100_000, max_wall_s=args.budget_s, eval_every=100_000,
                   checkpoint_every=100_000, keep_weights=100_000, heldout_prompts=args.heldout,
                   policy=args.policy, gen_workers=args.gen_workers,
@@ -96,22 +115,41 @@ def version_at(points: list[dict], key: str, limit: float) -> int:
 
 
 def accuracy_of(runs: list[dict], wanted: set[tuple[int, int]], args,
-                runs_dir: str) -> dict[tuple[int, int], float]:
-    """Held-out accuracy of each (run index, version), on one cluster."""
+                runs_dir: str) -> dict[tuple[int, int], np.ndarray]:
+    """Each (run index, version)'s held-out rewards, one per prompt in ``prompt_id`` order
+    (greedy: 1 right, 0 wrong), on one cluster."""
     cfg = make_cfg("eval", "sync", args, runs_dir)
     model_path = resolve_model(cfg, log=lambda *_: None)
     _, heldout, _ = load_prompt_sets(cfg, model_path)
     specs = make_specs(cfg, model_path, RunDir(Path(runs_dir) / "eval"))
-    out: dict[tuple[int, int], float] = {}
+    out: dict[tuple[int, int], np.ndarray] = {}
     with PoolCluster(pools_from_config(cfg), CostLedger(cfg.prices)) as pc:
-        start = evaluate(pc, heldout, WeightsRef(0, str(model_path)), specs, cfg)
         for key in sorted(wanted):
             i, version = key
+            if version == 0 and (0, 0) in out:  # every run starts from the same weights
+                out[key] = out[0, 0]
+                continue
             ref = (WeightsRef(0, str(model_path)) if version == 0 else
                    WeightsRef(version, str(runs[i]["weights"] / f"v{version}.safetensors")))
-            out[key] = (start if version == 0 else evaluate(pc, heldout, ref, specs, cfg)
-                        )["heldout_accuracy"]
+            table = heldout_rollouts(pc, heldout, ref, specs, cfg)
+            order = np.argsort(table.column("prompt_id").to_numpy(zero_copy_only=False))
+            out[key] = table.column("reward").to_numpy()[order]
     return out
+
+
+def at_budget(mode: str, runs: list[dict], at: list[dict], rewards: dict) -> np.ndarray:
+    """Per held-out prompt, the mean reward over ``mode``'s runs of the version each had at
+    the budget."""
+    return np.mean([rewards[i, at[i]["wall"][-1]] for i, r in enumerate(runs)
+                    if r["mode"] == mode], axis=0)
+
+
+def versus_sync(mode: str, runs: list[dict], at: list[dict], rewards: dict) -> dict:
+    """Held-out accuracy at the budget minus sync's, and its standard error over the
+    held-out prompts (paired: the same prompts for every run)."""
+    diff = at_budget(mode, runs, at, rewards) - at_budget("sync", runs, at, rewards)
+    return {"diff": round(float(diff.mean()), 4),
+            "se": round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 4)}
 
 
 def summarize(mode: str, runs: list[dict], at: list[dict], accuracy: dict, walls: list[float],
@@ -123,9 +161,11 @@ def summarize(mode: str, runs: list[dict], at: list[dict], accuracy: dict, walls
         "update_s_per_iteration", "staleness_mean", "replayed_frac", "loadavg_1m",
         *DIAGNOSTICS)}
     out["samples_per_s_each_run"] = [round(runs[i]["samples_per_s"], 2) for i in mine]
+    out["accuracy_at_budget_each_run"] = [round(float(accuracy[i, at[i]["wall"][-1]].mean()), 4)
+                                          for i in mine]
     for kind, xs in (("wall", walls), ("samples", counts)):
         out[f"accuracy_vs_{kind}"] = [
-            [round(x), round(mean(accuracy[i, at[i][kind][k]] for i in mine), 4)]
+            [round(x), round(float(mean(accuracy[i, at[i][kind][k]].mean() for i in mine)), 4)]
             for k, x in enumerate(xs)]
     return out
 
@@ -159,16 +199,17 @@ def main() -> None:
     parser.add_argument("--replay-max-grad-share", type=float,
                         default=Config.replay_max_grad_share)
     parser.add_argument("--replay-age-decay", type=float, default=Config.replay_age_decay)
+    parser.add_argument("--replay-max-skips", type=int, default=Config.replay_max_skips)
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated, sync first (the baseline)")
-    parser.add_argument("--heldout", type=int, default=128)
+                        help=f"comma-separated, sync first (the baseline); also {LONGEST}")
+    parser.add_argument("--heldout", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     ensure_tiny_model(log=lambda *_: None)  # build outside the timed runs
     started = time.time()
     chosen = tuple(args.modes.split(","))
-    if chosen[0] != "sync" or not set(chosen) <= set(MODES):
-        parser.error(f"--modes: sync first, then any of {MODES[1:]}")
+    if chosen[0] != "sync" or not set(chosen) <= {*MODES, LONGEST}:
+        parser.error(f"--modes: sync first, then any of {(*MODES[1:], LONGEST)}")
     order = [*chosen, *reversed(chosen)][: len(chosen) * args.repeats]
     with tempfile.TemporaryDirectory() as runs_dir:
         runs = [run_once(f"{mode.replace('+', '-')}-{i}", mode, args, runs_dir) | {"mode": mode}
@@ -190,17 +231,16 @@ def main() -> None:
         "replay_ratio": args.replay_ratio, "replay_max_age": args.replay_max_age,
         "tis_cap": args.tis_cap, "replay_share": args.replay_share,
         "replay_max_grad_share": args.replay_max_grad_share,
-        "replay_age_decay": args.replay_age_decay,
+        "replay_age_decay": args.replay_age_decay, "replay_max_skips": args.replay_max_skips,
         "heldout_prompts": args.heldout,
-        "accuracy_at_start": accuracy[0, 0],
+        "accuracy_at_start": float(accuracy[0, 0].mean()),
         "modes": modes,
         "throughput_ratio_vs_sync": {m: round(modes[m]["samples_per_s"] / sync["samples_per_s"],
                                               3) for m in chosen[1:]},
-        "accuracy_at_budget_minus_sync": {
-            m: round(modes[m]["accuracy_vs_wall"][-1][1] - sync["accuracy_vs_wall"][-1][1], 4)
-            for m in chosen[1:]},
+        "accuracy_at_budget_minus_sync": {m: versus_sync(m, runs, at, accuracy)
+                                          for m in chosen[1:]},
         "amdahl_bound_vs_sync": {m: round(amdahl_bound(m, t, g, modes[m]["replayed_frac"]), 3)
-                                 for m in chosen[1:]},
+                                 for m in chosen[1:] if m != LONGEST},
         "bench_s": round(time.time() - started),
     }))
 

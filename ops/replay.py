@@ -19,6 +19,12 @@ Contracts:
 * **Never twice in a batch.** ``sample(..., exclude=prompt_ids)`` passes over the groups of
   those prompts (the prompts fresh in the batch being drawn): a prompt is never trained
   fresh and replayed in one step, where its stale baseline would contradict the fresh one.
+* **Longest replaced, boundedly.** ``replace(prompt_ids, n, version)`` takes a batch's
+  prompts, listed the predicted longest first, and replaces the first of them with up to
+  ``n`` replayed groups, so the fresh generation loses its longest sequences. A prompt
+  replaced at its last ``max_skips`` draws in a row is passed over (it is generated fresh at
+  this one), so a prompt is never left untrained fresh for more than ``max_skips``
+  consecutive draws.
 * **Faithful rows.** Rows come back exactly as added: their ``policy_version``, behaviour
   ``logprobs`` and ``advantage`` unchanged, so the trainer corrects them like any other
   off-policy sample (``ops/offpolicy.py``).
@@ -28,12 +34,13 @@ Contracts:
   ``replay_rows`` (the stored rows plus an int64 ``replay_group`` column) and
   ``replay_groups`` (one row per group: ``replay_group``, ``version``, ``priority``,
   ``uses``; its schema metadata holds the counters ``draws`` and ``next_group``).
-  ``load_state_dict`` restores a buffer from them.
+  A third table, ``replay_skips`` (``prompt_id``, ``skips``), holds the consecutive draws at
+  which each replaced prompt was replaced. ``load_state_dict`` restores a buffer from them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +51,7 @@ from .schema import TRAINABLE, check_columns
 
 READS = pa.schema([TRAINABLE.field("prompt_id"), TRAINABLE.field("policy_version"),
                    TRAINABLE.field("advantage")])
+SKIPS = pa.schema([pa.field("prompt_id", pa.string()), pa.field("skips", pa.int64())])
 GROUPS = pa.schema([pa.field("replay_group", pa.int64()), pa.field("version", pa.int64()),
                     pa.field("priority", pa.float64()), pa.field("uses", pa.int64())])
 
@@ -62,7 +70,8 @@ class ReplayBuffer:
     """Recent groups, bounded by age and size; see the module docstring."""
 
     def __init__(self, max_groups: int, max_age: int, *, seed: int = 0,
-                 zero_adv_weight: float = 0.0, age_decay: float = 1.0) -> None:
+                 zero_adv_weight: float = 0.0, age_decay: float = 1.0,
+                 max_skips: int = 1) -> None:
         if max_groups < 1:
             raise ValueError(f"ReplayBuffer: max_groups must be >= 1, got {max_groups}")
         if max_age < 0:
@@ -72,11 +81,14 @@ class ReplayBuffer:
                              f"{zero_adv_weight}")
         if not 0 < age_decay <= 1:
             raise ValueError(f"ReplayBuffer: age_decay must be in (0, 1], got {age_decay}")
-        self.max_groups, self.max_age = max_groups, max_age
+        if max_skips < 1:
+            raise ValueError(f"ReplayBuffer: max_skips must be >= 1, got {max_skips}")
+        self.max_groups, self.max_age, self.max_skips = max_groups, max_age, max_skips
         self.seed, self.zero_adv_weight, self.age_decay = seed, zero_adv_weight, age_decay
         self.groups: list[Group] = []
         self.draws = 0  # calls of sample so far
         self.next_group = 0
+        self.skips: dict[str, int] = {}  # prompt -> consecutive draws it was replaced at
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -145,6 +157,27 @@ class ReplayBuffer:
             out.append(allowed[i].rows)
         return out
 
+    def replace(self, prompt_ids: Sequence[str], n_groups: int,
+                current_version: int) -> tuple[list[int], list[pa.Table]]:
+        """Replace up to ``n_groups`` of a batch's prompts (``prompt_ids``, the first to
+        replace first) with replayed groups for a trainer at ``current_version``; returns the
+        positions in ``prompt_ids`` of the prompts replaced and the groups. Passed over: a
+        prompt replaced at its last ``max_skips`` draws, and any beyond the groups the buffer
+        holds of prompts outside the batch."""
+        self.evict(current_version)
+        batch = set(prompt_ids)
+        spare = sum(grp.prompt_id not in batch for grp in self.groups)
+        may = [k for k, p in enumerate(prompt_ids) if self.skips.get(p, 0) < self.max_skips]
+        replaced = may[:min(n_groups, spare)]
+        gone = set(replaced)
+        kept = [p for k, p in enumerate(prompt_ids) if k not in gone]
+        groups = self.sample(len(replaced), current_version, exclude=kept)
+        for k in replaced:
+            self.skips[prompt_ids[k]] = self.skips.get(prompt_ids[k], 0) + 1
+        for p in kept:
+            self.skips.pop(p, None)
+        return replaced, groups
+
     def ages(self, current_version: int) -> np.ndarray:
         """[G] int64: each stored group's age for a trainer at ``current_version``."""
         return np.array([current_version - grp.version for grp in self.groups], np.int64)
@@ -163,7 +196,9 @@ class ReplayBuffer:
             np.full(g.rows.num_rows, g.id), pa.int64())) for g in self.groups]
         rows = pa.concat_tables(tables) if tables else TRAINABLE.append(
             pa.field("replay_group", pa.int64())).empty_table()
-        return {"replay_rows": rows, "replay_groups": groups}
+        skips = pa.table({"prompt_id": list(self.skips), "skips": list(self.skips.values())},
+                         schema=SKIPS)
+        return {"replay_rows": rows, "replay_groups": groups, "replay_skips": skips}
 
     def load_state_dict(self, state: dict[str, pa.Table]) -> None:
         """Restore the buffer from ``state_dict()``'s tables (as a checkpoint returns them)."""
@@ -191,3 +226,7 @@ class ReplayBuffer:
                                   version, priority, uses))
         self.groups = restored
         self.draws, self.next_group = int(meta[b"draws"]), int(meta[b"next_group"])
+        skips = state.get("replay_skips", SKIPS.empty_table())  # absent: saved before skips
+        check_columns(skips, SKIPS, "ReplayBuffer.load_state_dict (replay_skips)")
+        self.skips = dict(zip(skips.column("prompt_id").to_pylist(),
+                              skips.column("skips").to_pylist()))

@@ -111,6 +111,8 @@ class Config:
     replay_share: str = "fixed"  # fixed: replay_ratio always; adaptive: by gen/update balance
     replay_age_decay: float = 1.0  # replay: a group's draw weight shrinks by this per version
     replay_max_grad_share: float = 0.5  # replay: most replayed share of informative groups
+    replay_longest: bool = False  # replay: replace the prompts predicted longest (costs accuracy)
+    replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"
@@ -287,7 +289,10 @@ def check_mode(cfg: Config) -> None:
     if not 0 <= cfg.replay_ratio < 1:
         raise ConfigError(f"replay_ratio = {cfg.replay_ratio} must be in [0, 1): every batch "
                           "generates at least one prompt")
-    for key in ("replay_max_age", "replay_size", "keep_weights"):
+    if cfg.replay_longest and cfg.mode != "replay":
+        raise ConfigError(f"replay_longest = true needs mode = 'replay', not {cfg.mode!r}: only "
+                          "there do replayed groups replace fresh prompts")
+    for key in ("replay_max_age", "replay_size", "keep_weights", "replay_max_skips"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key} = {getattr(cfg, key)} must be >= 1")
     if cfg.max_wall_s < 0:

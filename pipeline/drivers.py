@@ -46,15 +46,21 @@ def run_step(cfg: Config, runner: ModeRunner | None, eg: ElasticGeneration,
     return run_iteration(eg.pc, sampler.next_batch(), weights, iteration, specs, cfg)
 
 
-def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-             cfg: Config) -> dict:
-    """Held-out accuracy of greedy decoding with ``weights``."""
+def heldout_rollouts(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
+                     cfg: Config) -> pa.Table:
+    """The scored greedy rollouts of the held-out prompts with ``weights``."""
     if not pc.worker_names("gen"):  # the elastic policy may have released every one
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
                               tag="eval")
-    table = Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
+    return Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
+
+
+def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
+             cfg: Config) -> dict:
+    """Held-out accuracy of greedy decoding with ``weights``."""
+    table = heldout_rollouts(pc, heldout, weights, specs, cfg)
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
             "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),

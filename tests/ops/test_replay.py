@@ -158,3 +158,36 @@ def test_age_decay_prefers_young_groups():
     assert counts["young"] > 150  # weights 1 and 0.001: the old one almost never
     with pytest.raises(ValueError, match="age_decay"):
         ReplayBuffer(8, 3, age_decay=0.0)
+
+
+def _through_parquet(state: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    out = {}
+    for name, table in state.items():  # as a checkpoint stores them
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        out[name] = pq.read_table(io.BytesIO(sink.getvalue()))
+    return out
+
+
+def test_replace_takes_the_longest_first_and_bounds_consecutive_skips():
+    buffer = ReplayBuffer(8, 3, seed=0, max_skips=1)
+    buffer.add(trainable(0, [True, True], tag="old"))
+    buffer.add(trainable(0, [True], tag="S"))  # a group of a prompt in the batch
+    batch = ["L-0", "M-0", "S-0"]  # the predicted longest first
+    replaced, groups = buffer.replace(batch, 2, 1)
+    assert replaced == [0, 1]
+    assert "S-0" not in [g.column("prompt_id")[0].as_py() for g in groups]  # S stays fresh
+    # the next draw of the same prompts: L and M were replaced at their last draw
+    replaced, groups = buffer.replace(batch, 2, 1)
+    assert replaced == [2] and len(groups) == 1
+    restored = ReplayBuffer(8, 3, seed=0, max_skips=1)
+    restored.load_state_dict(_through_parquet(buffer.state_dict()))
+    assert restored.skips == buffer.skips == {"S-0": 1}
+    for buf in (buffer, restored):  # L and M generated fresh once: replaceable again
+        replaced, groups = buf.replace(batch, 2, 2)
+        assert replaced == [0, 1]
+    # no more replaced than the buffer holds groups of prompts outside the batch (S-0's)
+    replaced, groups = buffer.replace(["old-0", "old-1", "X"], 3, 2)
+    assert replaced == [0] and groups[0].column("prompt_id")[0].as_py() != "old-1"
+    with pytest.raises(ValueError, match="max_skips must be >= 1"):
+        ReplayBuffer(8, 3, max_skips=0)

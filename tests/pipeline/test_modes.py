@@ -118,14 +118,17 @@ def _rollouts(run, iteration: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["replay", "async"])
+@pytest.mark.parametrize("mode, longest", [("replay", False), ("replay", True),
+                                           ("async", False)])
 def test_resume_continues_from_the_consumed_data_and_the_buffer(tiny_model_dir, tmp_path,
-                                                                mode):
-    """Replay resumes bitwise (buffer, its draws, the data position); async resumes at the
-    data the trainer consumed, redrawing the batches that were generated ahead."""
+                                                                mode, longest):
+    """Replay resumes bitwise (buffer, its draws, the data position, the replaced prompts'
+    skips); async resumes at the data the trainer consumed, redrawing the batches that were
+    generated ahead."""
     def cfg(name: str, iterations: int) -> Config:
         return _quick(tiny_model_dir, tmp_path, name=name, mode=mode, iterations=iterations,
-                      batch_prompts=4, n_samples=3, checkpoint_every=1, rewards=PARITY)
+                      batch_prompts=4, n_samples=3, checkpoint_every=1, rewards=PARITY,
+                      replay_longest=longest)
 
     whole = train(cfg("whole", 3), progress=False, log=lambda *_: None)
     train(cfg("cut", 2), progress=False, log=lambda *_: None)
@@ -140,6 +143,10 @@ def test_resume_continues_from_the_consumed_data_and_the_buffer(tiny_model_dir, 
     else:  # generated ahead with v1 in the whole run, again with v2 after the resume
         assert set(want["policy_version"]) == {1} and set(got["policy_version"]) == {2}
         assert last["staleness_max"] == 0
+    if longest:  # the predictor has seen none of them: the longest prompts were replaced
+        for d in resumed.read_jsonl("decisions.jsonl"):
+            if d["kind"] == "replay_share" and d["replaced_prompt_tokens"]:
+                assert min(d["replaced_prompt_tokens"]) >= d["fresh_prompt_tokens_max"]
 
 
 def _specs() -> Specs:
@@ -170,6 +177,9 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
     ({"mode": "replay", "replay_ratio": 1.0}, ["replay_ratio", "[0, 1)"]),
     ({"tis_cap": 0.9}, ["tis_cap", ">= 1"]),
     ({"replay_size": 0}, ["replay_size", ">= 1"]),
+    ({"mode": "async+replay", "replay_max_age": 3, "replay_longest": True},
+     ["replay_longest", "mode = 'replay'"]),
+    ({"mode": "replay", "replay_max_skips": 0}, ["replay_max_skips", ">= 1"]),
     ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay', 'async+replay'"]),
 ])
 def test_mode_knobs_are_checked(values, words):
