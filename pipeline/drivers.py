@@ -25,14 +25,12 @@ from rlhfless.schedulers.policy import ElasticPolicy
 from .cluster import PoolCluster
 from .config import Config
 from .elastic import ElasticGeneration
-from .graph import iteration_graph, rollout_graph
+from .graph import iteration_graph, rollout_graph, submit_update
 from .metrics import iteration_record
 from .modes import ModeRunner
 from .runs import RunDir
 from .sampler import PromptSampler
 from .specs import Specs
-from .task_keys import task_key
-from .trainer_tasks import publish_task, update_task
 
 
 def run_step(cfg: Config, runner: ModeRunner | None, eg: ElasticGeneration,
@@ -97,10 +95,8 @@ def run_elastic_iteration(eg: ElasticGeneration, batch: pa.Table, weights: Weigh
     with get_task_stream(client) as stream:
         plan, trainable_futures, facts = eg.run_generation(
             batch, weights, iteration, specs, cfg.seed)
-        metrics = client.submit(update_task, trainable_futures, weights, specs.train,
-                                key=task_key("update", iteration), resources={"TRAIN": 1})
-        published = client.submit(publish_task, metrics, specs.train, weights.version + 1,
-                                   key=task_key("publish", iteration), resources={"TRAIN": 1})
+        metrics, published = submit_update(client, trainable_futures, weights, specs.train,
+                                           iteration)
         trainables, update, new_weights = client.gather(
             [trainable_futures, metrics, published])
     eg.after_update(update["update_seconds"], [t.stats for t in trainables])

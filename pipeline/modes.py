@@ -85,10 +85,9 @@ from rlhfless.ops.replay_stats import replay_diagnostics
 from rlhfless.schedulers.replay_share import ReplayShare
 
 from .config import Config
-from .graph import trainable_graph
+from .graph import submit_update, trainable_graph
 from .metrics import iteration_record
-from .task_keys import iteration_of, task_key
-from .trainer_tasks import publish_task, update_task
+from .task_keys import iteration_of
 
 if TYPE_CHECKING:
     from .cluster import PoolCluster
@@ -274,15 +273,9 @@ class ModeRunner:
         if job.target != weights.version:
             raise RuntimeError(f"iteration {job.iteration}: batch generated for trainer "
                                f"v{job.target}, but the trainer is at v{weights.version}")
-        client = self.pc.client
         extra = [Generated(pa.concat_tables(job.replayed))] if job.replayed else []
-        job.update = client.submit(update_task, [*job.trainables, *extra], weights,
-                                   self.specs.train, key=task_key("update", job.iteration),
-                                   resources={"TRAIN": 1})
-        job.published = client.submit(publish_task, job.update, self.specs.train,
-                                      weights.version + 1,
-                                      key=task_key("publish", job.iteration),
-                                      resources={"TRAIN": 1})
+        job.update, job.published = submit_update(self.pc.client, [*job.trainables, *extra],
+                                                  weights, self.specs.train, job.iteration)
 
     def _finish(self, job: Job, weights: WeightsRef,
                 started: float) -> tuple[dict, pa.Table, WeightsRef]:
