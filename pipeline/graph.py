@@ -18,9 +18,9 @@ scored.
 
 ``update_graph`` is the one update-then-publish step of every iteration, whatever produced
 its trainable shards (this graph's delayed tasks, or futures of the elastic controller), and
-``submit_update`` submits it: the runner of every mode and the emulated runtime go through it.
-``iteration_graph`` joins the two halves into the whole iteration that ``rlhfless graph``
-renders.
+``submit_update`` submits it: the runner of every mode (``modes.py``) and the emulated
+runtime go through it. ``iteration_graph`` joins the two halves into the whole iteration
+that ``rlhfless graph`` renders.
 """
 
 from __future__ import annotations
@@ -137,7 +137,9 @@ def submit_update(client: Client, trainables: list, weights: WeightsRef, train, 
 def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, train: TrainSpec, *, algorithm: str,
                     seed: int, min_prefix: int) -> IterationGraph:
-    """The graph of one synchronous iteration, producing version ``weights.version + 1``."""
+    """The whole graph of one sync iteration, producing version ``weights.version + 1``: what
+    ``rlhfless graph`` renders. A run submits the same tasks in two halves (``ModeRunner``:
+    ``trainable_graph``, then ``submit_update``)."""
     plan, _, trainables = trainable_graph(prompts, weights, iteration, n_shards, gen, reward,
                                           algorithm=algorithm, seed=seed, min_prefix=min_prefix)
     metrics, new_weights = update_graph(trainables, weights, train, iteration)
