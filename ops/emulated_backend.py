@@ -269,6 +269,6 @@ def update_task(shards: list[Generated], weights: EmulatedWeights,
                 [t.column("reward").to_numpy() for t in trainables]))) if rows else 0.0}
 
 
-def publish_task(metrics: dict, version: int) -> EmulatedWeights:
+def publish_task(metrics: dict, spec: EmulatedTrainSpec, version: int) -> EmulatedWeights:
     """The new version (after ``metrics``' update), nothing written."""
     return EmulatedWeights(version)

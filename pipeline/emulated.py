@@ -54,6 +54,7 @@ from .cluster import Pool, PoolCluster
 from .config import Config
 from .deploy import LocalDeployment
 from .elastic import ElasticGeneration
+from .graph import submit_update
 from .runs import RunDir
 from .scoring_tasks import RewardSpec, advantage_task, reward_task
 from .task_keys import stage_of, task_key
@@ -291,10 +292,8 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
                 else:
                     trainables, facts = _static_generation(pc, cfg, table, weights, it, specs,
                                                            cfg.seed), {}
-                update = pc.client.submit(emu.update_task, trainables, weights, specs.train,
-                                          key=task_key("update", it), resources={"TRAIN": 1})
-                published = pc.client.submit(emu.publish_task, update, weights.version + 1,
-                                             key=task_key("publish", it), resources={"TRAIN": 1})
+                update, published = submit_update(pc.client, trainables, weights, specs.train,
+                                                  it, tasks=emu)
                 tables, metrics, weights = pc.client.gather([trainables, update, published])
             t1 = time.time()
             if elastic:

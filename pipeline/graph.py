@@ -15,25 +15,34 @@ made on one generation worker would all be generated there, and dedup left free 
 anywhere could also land on a trainer busy with an update, holding back the next batch.
 Groups never straddle shards, so advantages are computed per shard, as soon as that shard is
 scored.
+
+``update_graph`` is the one update-then-publish step of every iteration, whatever produced
+its trainable shards (this graph's delayed tasks, or futures of the elastic controller), and
+``submit_update`` submits it: the runner of every mode (``modes.py``) and the emulated
+runtime go through it. ``iteration_graph`` joins the two halves into the whole iteration
+that ``rlhfless graph`` renders.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import dask
 import pyarrow as pa
 from dask.delayed import Delayed, delayed
+from distributed import Client, Future
 
 from rlhfless.ops.prefix_dedup import PrefixPlan, plan_prefixes
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import split_balanced
 
+from . import trainer_tasks
 from .rollout_tasks import GenSpec, generate_task
 from .scoring_tasks import RewardSpec, advantage_task, reward_task
 from .task_keys import task_key
-from .trainer_tasks import TrainSpec, publish_task, update_task
+from .trainer_tasks import TrainSpec
 
 STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
 # one colour per stage, shared by the rendered graph and the report's plots
@@ -102,15 +111,36 @@ def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     return plan, shards, trainables
 
 
+def update_graph(trainables: list, weights: WeightsRef, train, iteration: int,
+                 tasks: ModuleType = trainer_tasks) -> tuple[Delayed, Delayed]:
+    """update → publish on the trainer (``TRAIN``): the update of ``iteration`` on
+    ``trainables`` (delayed tasks or futures, one ``Generated`` each) from ``weights``, then
+    the publication of version ``weights.version + 1``. Returns (metrics, new weights).
+    ``tasks``: the module of ``update_task(trainables, weights, train)`` and
+    ``publish_task(metrics, train, version)``: the trainer's, or the emulated ones."""
+    with dask.annotate(resources={"TRAIN": 1}):
+        metrics = delayed(tasks.update_task)(trainables, weights, train,
+                                             dask_key_name=task_key("update", iteration))
+        published = delayed(tasks.publish_task)(metrics, train, weights.version + 1,
+                                                dask_key_name=task_key("publish", iteration))
+    return metrics, published
+
+
+def submit_update(client: Client, trainables: list, weights: WeightsRef, train, iteration: int,
+                  tasks: ModuleType = trainer_tasks) -> tuple[Future, Future]:
+    """``update_graph`` submitted: futures of (metrics, new weights)."""
+    metrics, published = client.compute(
+        list(update_graph(trainables, weights, train, iteration, tasks)), optimize_graph=False)
+    return metrics, published
+
+
 def iteration_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, train: TrainSpec, *, algorithm: str,
                     seed: int, min_prefix: int) -> IterationGraph:
-    """The graph of one synchronous iteration, producing version ``weights.version + 1``."""
+    """The whole graph of one sync iteration, producing version ``weights.version + 1``: what
+    ``rlhfless graph`` renders. A run submits the same tasks in two halves (``ModeRunner``:
+    ``trainable_graph``, then ``submit_update``)."""
     plan, _, trainables = trainable_graph(prompts, weights, iteration, n_shards, gen, reward,
                                           algorithm=algorithm, seed=seed, min_prefix=min_prefix)
-    with dask.annotate(resources={"TRAIN": 1}):
-        metrics = delayed(update_task)(trainables, weights, train,
-                                       dask_key_name=task_key("update", iteration))
-        new_weights = delayed(publish_task)(metrics, train, weights.version + 1,
-                                            dask_key_name=task_key("publish", iteration))
+    metrics, new_weights = update_graph(trainables, weights, train, iteration)
     return IterationGraph(plan, trainables, metrics, new_weights)

@@ -111,7 +111,7 @@ def test_the_update_takes_the_learners_time():
     assert metrics["update_seconds"] == pytest.approx(
         PROFILE.forward_seconds(tokens, 16) + PROFILE.update_seconds(tokens, 16))
     assert metrics["reward_mean"] == 0.5
-    assert emu.publish_task(metrics, 3) == emu.EmulatedWeights(3)
+    assert emu.publish_task(metrics, spec, 3) == emu.EmulatedWeights(3)
 
 
 def test_the_emulated_tasks_do_not_import_torch():
