@@ -53,9 +53,9 @@ import numpy as np
 
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.pipeline.bookkeeping import heldout_rollouts
 from rlhfless.pipeline.cluster import PoolCluster, pools_from_config
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.bookkeeping import heldout_rollouts
 from rlhfless.pipeline.loop import load_prompt_sets, make_specs, resolve_model, train
 from rlhfless.pipeline.runs import RunDir
 from rlhfless.schedulers.ledger import CostLedger
