@@ -43,17 +43,19 @@ def run_step(cfg: Config, runner: ModeRunner | None, eg: ElasticGeneration,
         return runner.step(iteration, weights)
     if cfg.policy == "elastic":
         return run_elastic_iteration(eg, sampler.next_batch(), weights, iteration, specs, cfg)
-    return run_iteration(eg.pc, sampler.next_batch(), weights, iteration, specs, cfg)
+    return run_iteration(eg.pc, sampler.next_batch(), weights, iteration, specs, cfg,
+                         policy=eg.policy)
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-             cfg: Config) -> dict:
-    """Held-out accuracy of greedy decoding with ``weights``."""
+             cfg: Config, policy: ElasticPolicy | None = None) -> dict:
+    """Held-out accuracy of greedy decoding with ``weights`` (``policy``: predicts the
+    work its generate tasks declare)."""
     if not pc.worker_names("gen"):  # the elastic policy may have released every one
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval")
+                              tag="eval", policy=policy)
     table = Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
@@ -73,12 +75,13 @@ def on_policy_record(iteration: int, weights: WeightsRef, started: float, plan, 
 
 
 def run_iteration(pc: PoolCluster, batch: pa.Table, weights: WeightsRef, iteration: int,
-                  specs: Specs, cfg: Config) -> tuple[dict, pa.Table, WeightsRef]:
+                  specs: Specs, cfg: Config,
+                  policy: ElasticPolicy | None = None) -> tuple[dict, pa.Table, WeightsRef]:
     """A static-policy iteration: the whole iteration is one graph on the fixed pools."""
     # the batch travels in the graph, not scattered: a worker's death must not lose it
     graph = iteration_graph(batch, weights, iteration, cfg.gen_workers,
                             specs.gen, specs.reward, specs.train, algorithm=cfg.algorithm,
-                            seed=cfg.seed, min_prefix=cfg.min_prefix)
+                            seed=cfg.seed, min_prefix=cfg.min_prefix, policy=policy)
     started = time.time()
     with get_task_stream(pc.client) as stream:
         plan, *rest = pc.client.compute(graph.outputs(), optimize_graph=False, sync=True)

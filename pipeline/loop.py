@@ -74,7 +74,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
-        accuracy = evaluate(pc, heldout, weights, specs, cfg)
+        accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = make_runner(cfg, pc, eg, specs, sampler, durable), time.time()
@@ -94,7 +94,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
                                                                          cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
-                accuracy = evaluate(pc, heldout, weights, specs, cfg)
+                accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
             done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
             bar.update(done - bar.n)
