@@ -23,10 +23,12 @@ Every generation task (a chunk, a resumed or moved tail) declares its predicted 
 scheduler (``dask_plugin.generation_work``). In the async modes, where there is no
 iteration barrier, each batch also installs the policy's sizing rule in the scheduler
 (``ElasticPolicy.sizing``): from then on the pool's target follows the queued work
-(``ElasticityPlugin``), and when generation is over it is the drained queue, not this
-controller, that releases the pool (keep-alive and veto alike); the rule's target changes
-are drained into ``decisions.jsonl`` (``kind = "queue_target"``). In sync mode the
-controller releases the pool itself when generation ends.
+(``ElasticityPlugin``: work that can use more workers than this controller planned, such
+as the unpinned tasks of an evaluation, raises it), and once no worker is busy it is the
+drained queue, not this controller, that releases the pool (same keep-alive, same veto); a
+worker idle while others still generate is this controller's to release, as it places the
+tails. The rule's target changes are drained into ``decisions.jsonl`` (``kind =
+"queue_target"``). In sync mode the controller releases the pool itself.
 
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
 ``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
@@ -201,9 +203,8 @@ class ElasticGeneration:
                          ledger.worker_seconds("gen", until=ended)
                          - ledger.worker_seconds("gen", until=started)}
         self.log(iteration, **scale_record)
-        if not self.queue_sizing:  # generation is over: the update is the idle gap
-            for worker in list(self.load):
-                released += self._release_if_idle(worker, iteration)
+        for worker in list(self.load):  # generation is over: the update is the idle gap
+            released += self._release_if_idle(worker, iteration)
         self.log_queue_targets(iteration)
         facts = {"gen_workers": len(workers), "migrated_sequences": migrated,
                  "released_during_generation": len(released),
@@ -351,11 +352,14 @@ class ElasticGeneration:
 
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:
-        until the busiest worker finishes, then through the update."""
+        until the busiest worker finishes, then through the update. With the queue sizing
+        the pool, a worker idle once no other is busy is the drained queue's to release."""
         if (self.load[worker].busy or worker in self.exports
                 or worker in {w for _, w in self.where.values()}):
             return []
         busy = [p for p in self.load.values() if p.busy]
+        if self.queue_sizing and not busy:
+            return []
         gap = self.policy.idle_gap_s(max((self.policy.throughput.predict_worker_seconds(
             np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0))
         if self.policy.keeps_alive(gap):

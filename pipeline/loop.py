@@ -104,4 +104,5 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 break
         if runner is not None:
             runner.close()  # batches generated ahead of a stop
+        eg.log_queue_targets(done)
     write_ledger(run, ledger, durable.totals_before)

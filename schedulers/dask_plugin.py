@@ -41,7 +41,8 @@ the policy), the pool's target follows that queue:
   idle in the middle of a batch is the elastic controller's to release, as it places the
   tails.
 
-Each change is a record (``drain_target_changes``) the driver writes to ``decisions.jsonl``;
+Each change, and each drained queue that keeps the pool, is a record
+(``drain_target_changes``) the driver writes to ``decisions.jsonl``;
 a target the driver sets (``set_pool_target``) overrides the rule's until the queue moves.
 """
 
@@ -161,6 +162,8 @@ class ElasticityPlugin(SchedulerPlugin):
         n, why = sizing.target([], [], [], current=members)
         if n < self.targets.get(pool, members):
             self.pending[pool] = (n, why, time.time(), key)
+        else:  # kept through the idle gap: a decision too
+            self._change(pool, self.targets.get(pool, members), why, key, 0)
 
     def _change(self, pool: str, n: int, why: str, key, queued: int) -> None:
         before = self.targets.get(pool, len(self._members(pool)))

@@ -233,6 +233,8 @@ def test_pinned_work_never_asks_for_workers_it_cannot_use(monkeypatch):
     _leave(s, plugin, "generate-1-0")
     _leave(s, plugin, "generate-1-1")
     assert plugin.target("gen") == 2  # an idle gap of 10 s < keep-alive 100 s: kept
+    (kept,) = plugin.drain_changes()
+    assert (kept["from"], kept["to"]) == (2, 2) and "< keep-alive 100.00 s" in kept["reason"]
 
 
 def test_the_drivers_target_and_new_work_cancel_a_pending_shrink(monkeypatch):
@@ -247,7 +249,7 @@ def test_the_drivers_target_and_new_work_cancel_a_pending_shrink(monkeypatch):
     assert plugin.target("gen") == 2
     _leave(s, plugin, "resume-1-0")
     plugin.set_target("gen", 2)  # the driver decided after the queue did
-    assert plugin.target("gen") == 2 and plugin.drain_changes() == []
+    assert plugin.target("gen") == 2 and plugin.drain_changes() == []  # nothing applied
 
 
 def test_adaptive_follows_the_queued_work(monkeypatch):
