@@ -36,8 +36,9 @@ the policy), the pool's target follows that queue:
   run anywhere), so that batches generated ahead grow the pool without the driver;
 * a drained queue lowers it to what the rule keeps through the predicted idle gap (the
   policy's keep-alive), once the queue has stayed drained ``SETTLE_S`` (the driver submits
-  a paused tail's continuation within milliseconds of its chunk's end); the veto still
-  holds every busy or pinned worker. A queue drained only in part lowers nothing: a worker
+  a paused tail's continuation within milliseconds of its chunk's end, and the next batch
+  of an async run as soon as the last is generated); the veto still holds every busy or
+  pinned worker. A queue drained only in part lowers nothing: a worker
   idle in the middle of a batch is the elastic controller's to release, as it places the
   tails.
 
@@ -158,12 +159,8 @@ class ElasticityPlugin(SchedulerPlugin):
         sizing = self.sizing.get(pool)
         if sizing is None:
             return
-        members = len(self._members(pool))
-        n, why = sizing.target([], [], [], current=members)
-        if n < self.targets.get(pool, members):
-            self.pending[pool] = (n, why, time.time(), key)
-        else:  # kept through the idle gap: a decision too
-            self._change(pool, self.targets.get(pool, members), why, key, 0)
+        n, why = sizing.target([], [], [], current=len(self._members(pool)))
+        self.pending[pool] = (n, why, time.time(), key)
 
     def _change(self, pool: str, n: int, why: str, key, queued: int) -> None:
         before = self.targets.get(pool, len(self._members(pool)))
@@ -188,13 +185,14 @@ class ElasticityPlugin(SchedulerPlugin):
         self.pending.pop(pool, None)
 
     def target(self, pool: str) -> int | None:
-        """The pool's target; a drained queue's lower one once it has stayed drained
-        ``SETTLE_S``."""
+        """The pool's target; once a drained queue has stayed drained ``SETTLE_S``, what
+        the rule made of it (lower, or kept through the idle gap: a record either way)."""
         pending = self.pending.get(pool)
         if pending is not None and time.time() - pending[2] >= SETTLE_S:
             del self.pending[pool]
             n, why, _, key = pending
-            self._change(pool, n, why, key, 0)
+            now = self.targets.get(pool, len(self._members(pool)))
+            self._change(pool, min(n, now), why, key, 0)
         return self.targets.get(pool)
 
     def workers_to_close(self, pool: str, n: int) -> list[str]:
