@@ -2,7 +2,8 @@
 
 ``ElasticityPlugin`` runs inside the Dask scheduler. It holds the worker count the elastic
 policy wants for each pool (``set_pool_target``, from the driver, where the policy has the
-batch's predicted lengths) and answers the cluster's ``PoolAdaptive`` (``dask_adaptive.py``)
+batch's predicted lengths; between the driver's decisions, from the queued work: below)
+and answers the cluster's ``PoolAdaptive`` (``dask_adaptive.py``)
 through two scheduler handlers it installs at start:
 
 * ``elastic_target(pool)``: the pool's target, or None when none was set;
@@ -31,16 +32,17 @@ task leaving for memory, erred, released or forgotten drops out. Once the driver
 installed a pool's sizing rule (``install_sizing``: ``ElasticPolicy.sizing``, a snapshot of
 the policy), the pool's target follows that queue:
 
-* work arriving raises the target to the rule's plan of everything queued (never above the
+* work arriving raises the target to the rule's plan of everything queued, never above the
   workers the queued tasks can use: those they are pinned to, plus one per task free to
-  run anywhere), so that batches generated ahead grow the pool without the driver;
+  run anywhere. Work free to run anywhere (the static graph's generate tasks, an
+  evaluation) grows the pool without the driver; the elastic controller pins its chunks
+  to the workers its own plan of the batch started, so there the rule only confirms it;
 * a drained queue lowers it to what the rule keeps through the predicted idle gap (the
   policy's keep-alive), once the queue has stayed drained ``SETTLE_S`` (the driver submits
   a paused tail's continuation within milliseconds of its chunk's end, and the next batch
   of an async run as soon as the last is generated); the veto still holds every busy or
-  pinned worker. A queue drained only in part lowers nothing: a worker
-  idle in the middle of a batch is the elastic controller's to release, as it places the
-  tails.
+  pinned worker. A queue drained only in part lowers nothing: a worker idle in the middle
+  of a batch is the elastic controller's to release, as it places the tails.
 
 Each change, and each drained queue that keeps the pool, is a record
 (``drain_target_changes``) the driver writes to ``decisions.jsonl``;
@@ -91,7 +93,8 @@ class ElasticityPlugin(SchedulerPlugin):
         self._names: dict[str, str] = {}  # address -> worker name
         self.work: dict[Any, dict] = {}  # key -> predicted work of a queued generation task
         self.sizing: dict[str, PoolSizing] = {}  # pool -> the rule that sizes it from its queue
-        self.pending: dict[str, tuple[int, str, float, Any]] = {}  # pool -> a drained queue's
+        # pool -> a drained queue's decision (target, reason, since, key), not yet taken
+        self.pending: dict[str, tuple[int, str, float, Any]] = {}
         self.changes: list[dict] = []  # the rule's target changes, for the driver
         self.scheduler = None
 
