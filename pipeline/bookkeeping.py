@@ -28,20 +28,21 @@ from .specs import Specs
 
 
 def heldout_rollouts(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-                     cfg: Config) -> pa.Table:
-    """The scored greedy rollouts of the held-out prompts with ``weights``."""
+                     cfg: Config, policy: ElasticPolicy | None = None) -> pa.Table:
+    """The scored greedy rollouts of the held-out prompts with ``weights`` (``policy``:
+    predicts the work its generate tasks declare)."""
     if not pc.worker_names("gen"):  # the elastic policy may have released every one
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval")
+                              tag="eval", policy=policy)
     return Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-             cfg: Config) -> dict:
+             cfg: Config, policy: ElasticPolicy | None = None) -> dict:
     """Held-out accuracy of greedy decoding with ``weights``."""
-    table = heldout_rollouts(pc, heldout, weights, specs, cfg)
+    table = heldout_rollouts(pc, heldout, weights, specs, cfg, policy)
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
             "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),

@@ -10,8 +10,11 @@ SpecCluster's own ``scale`` (``deploy.PoolScaling``).
 The generation pool scales through Dask's adaptive machinery: ``PoolAdaptive``
 (``schedulers/dask_adaptive.py``), installed with ``cluster.adapt``, reads its target from the
 scheduler's ``ElasticityPlugin``; ``scale`` sets that target (the elastic policy's count)
-and runs one adaptive step at once instead of waiting for the next periodic one. Retiring
-honours the plugin's veto. The fixed pools (the trainer) grow by ``scale_pool``.
+and runs one adaptive step at once instead of waiting for the next periodic one. Between
+the driver's decisions the target follows the queued generation work (once the driver has
+installed the policy's sizing rule, ``install_sizing``), and the periodic steps apply it;
+``sync_events`` bills the workers they start from their request. Retiring honours the
+plugin's veto. The fixed pools (the trainer) grow by ``scale_pool``.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class PoolCluster:
         self.sync_events()  # arrivals first, so that the ledger knows every worker
         before, requested = set(self.worker_names(pool)), time.time()
         self.client.run_on_scheduler(set_pool_target, pool=pool, n=n, close=list(close))
-        for _ in range(3):  # an adaptive step already under way makes this one a no-op
+        for _ in range(3):  # a vetoed worker may be free a moment later
             self.cluster.sync(self.adaptive.adapt)
             if len(self.worker_names(pool)) == n:
                 break
@@ -103,7 +106,8 @@ class PoolCluster:
         self.client.run_on_scheduler(set_pool_target, pool=pool, n=len(after))
         added = sorted(set(after) - before, key=after.index)
         for name in added:
-            self.ledger.worker_started(name, pool, requested)
+            self.ledger.worker_started(name, pool,
+                                       self.adaptive.requested_at.pop(name, requested))
         gone = sorted(before - set(after))
         self._wait_gone(gone)  # batch jobs: cancelled, and their workers gone
         stopped = time.time()
@@ -166,15 +170,18 @@ class PoolCluster:
             time.sleep(0.1)
 
     def sync_events(self) -> None:
-        """Move the scheduler plugin's events into the ledger. A worker that leaves without
-        being retired (it crashed, or the batch system ended it) stops billing when the
-        scheduler saw it go; a batch job that ended leaves its pool (the policy grows the
-        pool again if it needs to), a crashed local worker is restarted by its nanny."""
+        """Move the scheduler plugin's events into the ledger. A worker the periodic
+        adaptive step started (the queue raised the target) is billed from its request; a
+        worker that leaves without being retired (it crashed, or the batch system ended it)
+        stops billing when the scheduler saw it go; a batch job that ended leaves its pool
+        (the policy grows the pool again if it needs to), a crashed local worker is
+        restarted by its nanny (billed again from its arrival)."""
         ended = []
         for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
-                if name not in self.ledger.running():  # restarted by its nanny after a crash
-                    self.ledger.worker_started(name, pool_of(name), t)
+                if name not in self.ledger.running():
+                    self.ledger.worker_started(name, pool_of(name),
+                                               self.adaptive.requested_at.pop(name, t))
                 self.ledger.worker_ready(name, t)
             elif kind == "depart" and name in self.ledger.running():
                 self.ledger.worker_stopped(name, t)

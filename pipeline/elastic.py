@@ -19,6 +19,17 @@ driver with Dask futures (the graph is decided as it runs):
 5. release generation workers that would idle longer than a cold start costs (break-even
    keep-alive) — the pool shrinks to what the update needs while the update runs.
 
+Every generation task (a chunk, a resumed or moved tail) declares its predicted work to the
+scheduler (``dask_plugin.generation_work``). In the async modes, where there is no
+iteration barrier, each batch also installs the policy's sizing rule in the scheduler
+(``ElasticPolicy.sizing``): from then on the pool's target follows the queued work
+(``ElasticityPlugin``: work that can use more workers than this controller planned, such
+as the unpinned tasks of an evaluation, raises it), and once no worker is busy it is the
+drained queue, not this controller, that releases the pool (same keep-alive, same veto); a
+worker idle while others still generate is this controller's to release, as it places the
+tails. The rule's target changes are drained into ``decisions.jsonl`` (``kind =
+"queue_target"``). In sync mode the controller releases the pool itself.
+
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
 ``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
 when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``.
@@ -43,6 +54,11 @@ from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import take_shards
+from rlhfless.schedulers.dask_plugin import (
+    drain_target_changes,
+    generation_work,
+    install_sizing,
+)
 from rlhfless.schedulers.migration import WorkerProgress
 from rlhfless.schedulers.policy import ElasticPolicy
 
@@ -58,7 +74,7 @@ from .tail_tasks import (
     resume_adopted_task,
     take_tail_task,
 )
-from .task_keys import stage_of, task_key
+from .task_keys import iteration_of, stage_of, task_key
 
 
 def generation_tasks(backend: str):
@@ -88,6 +104,8 @@ class ElasticGeneration:
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
         self.kv_moves = cfg.backend == "hf"  # the emulated backend keeps no KV cache
+        self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
+        self.iteration = 0  # the last generated
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -96,8 +114,19 @@ class ElasticGeneration:
         self.run.append_jsonl("decisions.jsonl", record)
         return record
 
+    def log_queue_targets(self, iteration: int) -> None:
+        """Write the target changes the queued work made in the scheduler (each under the
+        iteration of the task that made it)."""
+        for change in self.pc.client.run_on_scheduler(drain_target_changes):
+            self.log(iteration_of(change.pop("key")) or iteration, **change)
+
     def scale_pool(self, prompts: pa.Table, iteration: int):
         """Choose the worker count and assignment; grow or retire the pool to match."""
+        self.log_queue_targets(iteration)
+        if self.queue_sizing:
+            sizing = self.policy.sizing(self.cfg.n_samples, self.cfg.gen_workers,
+                                        self.rest_workers)
+            self.pc.client.run_on_scheduler(install_sizing, pool="gen", sizing=sizing)
         ids = prompts.column("prompt_id").to_pylist()
         pred, pred_max = self.policy.predict(ids)
         prompt_tokens = np.array([len(p) for p in prompts.column("prompt_ids").to_pylist()])
@@ -122,7 +151,7 @@ class ElasticGeneration:
         (every task draws under ``generation_seed(seed, iteration)``); returns the dedup
         plan, one future of a trainable table per shard, and generation facts for the
         metrics."""
-        started = time.time()
+        started, self.iteration = time.time(), iteration
         seed = generation_seed(seed, iteration)
         plan = plan_prefixes(batch, self.cfg.n_samples, self.cfg.min_prefix)
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
@@ -143,8 +172,11 @@ class ElasticGeneration:
             if len(shard) == 0:
                 continue
             key = task_key("generate", iteration, i)
+            work = self.policy.predict_work(shard.column("prompt_id").to_pylist(), [
+                len(p) for p in shard.column("prompt_ids").to_pylist()], self.cfg.n_samples)
             self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
-                         weights, specs.gen, seed, self.policy.knobs.tau, key, key=key)
+                         weights, specs.gen, seed, self.policy.knobs.tau, key, key=key,
+                         work=work)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
@@ -181,6 +213,7 @@ class ElasticGeneration:
         self.log(iteration, **scale_record)
         for worker in list(self.load):  # generation is over: the update is the idle gap
             released += self._release_if_idle(worker, iteration)
+        self.log_queue_targets(iteration)
         facts = {"gen_workers": len(workers), "migrated_sequences": migrated,
                  "released_during_generation": len(released),
                  "generation_s": time.time() - started,
@@ -201,9 +234,16 @@ class ElasticGeneration:
         return WorkerProgress(len(seqs), 0, [x[0] for x in seqs], [x[1] for x in seqs],
                               [x[2] for x in seqs], busy=True)
 
-    def _submit(self, shard: int, worker: str, load: WorkerProgress, fn, *args, key: str):
-        fut = self.pc.client.submit(fn, *args, key=key, workers=[self.pc.address_of(worker)],
-                                    resources={"GEN": 1}, allow_other_workers=False, pure=False)
+    def _submit(self, shard: int, worker: str, load: WorkerProgress, fn, *args, key: str,
+                work=None):
+        """Submit a generation task to ``worker``, declaring its predicted ``work``
+        (default: the remaining tokens of the sequences in ``load``)."""
+        work = work or (load.remaining_tokens, load.remaining_tokens, load.current_lengths)
+        with generation_work(*work):
+            fut = self.pc.client.submit(fn, *args, key=key,
+                                        workers=[self.pc.address_of(worker)],
+                                        resources={"GEN": 1}, allow_other_workers=False,
+                                        pure=False)
         self.where[fut.key] = (shard, worker)
         self.pending.setdefault(shard, set()).add(fut.key)
         self.load[worker] = load
@@ -349,11 +389,14 @@ class ElasticGeneration:
 
     def _release_if_idle(self, worker: str, iteration: int) -> list[str]:
         """Retire ``worker`` if it has nothing to do and would idle past the keep-alive:
-        until the busiest worker finishes, then through the update."""
+        until the busiest worker finishes, then through the update. With the queue sizing
+        the pool, a worker idle once no other is busy is the drained queue's to release."""
         if (self.load[worker].busy or worker in self.exports
                 or worker in {w for _, w in self.where.values()}):
             return []
         busy = [p for p in self.load.values() if p.busy]
+        if self.queue_sizing and not busy:
+            return []
         gap = self.policy.idle_gap_s(max((self.policy.throughput.predict_worker_seconds(
             np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0))
         if self.policy.keeps_alive(gap):
@@ -368,7 +411,7 @@ class ElasticGeneration:
 
     def after_update(self, update_seconds: float, shards: list[GenerationStats]) -> None:
         """Feed the policy with what this iteration measured (``shards``: each shard's
-        generation statistics)."""
+        generation statistics); write the queue's target changes so far."""
         self.policy.observe_after_generation(update_seconds)
         for stats in shards:
             steps = stats.decode_steps
@@ -378,3 +421,4 @@ class ElasticGeneration:
             if stats.prefill_tokens and stats.prefill_seconds:
                 self.policy.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
         self.policy.observe_cold_starts(self.pc.ledger.cold_starts("gen"))
+        self.log_queue_targets(self.iteration)

@@ -14,7 +14,10 @@ whichever generation worker is least busy: Dask runs a task where its inputs are
 made on one generation worker would all be generated there, and dedup left free to land
 anywhere could also land on a trainer busy with an update, holding back the next batch.
 Groups never straddle shards, so advantages are computed per shard, as soon as that shard is
-scored.
+scored. Given the elastic policy, each generate task declares its predicted work to the
+scheduler (``dask_plugin.generation_work``): an equal share of its batch's, as the shards
+are cut on the trainer after the graph is submitted (``split_balanced``: equal prompt
+tokens).
 
 ``update_graph`` is the one update-then-publish step of every iteration, whatever produced
 its trainable shards (this graph's delayed tasks, or futures of the elastic controller), and
@@ -25,6 +28,7 @@ that ``rlhfless graph`` renders.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -37,6 +41,8 @@ from rlhfless.ops.prefix_dedup import PrefixPlan, plan_prefixes
 from rlhfless.ops.publish import WeightsRef
 from rlhfless.ops.seeds import generation_seed
 from rlhfless.ops.shard import split_balanced
+from rlhfless.schedulers.dask_plugin import generation_work
+from rlhfless.schedulers.policy import ElasticPolicy
 
 from . import trainer_tasks
 from .rollout_tasks import GenSpec, generate_task
@@ -67,14 +73,27 @@ def _shard_plan(plan: PrefixPlan, n_shards: int) -> list[pa.Table]:
     return split_balanced(plan.prompts, n_shards)
 
 
+def shard_work(policy: ElasticPolicy | None, prompts: pa.Table, n_samples: int, n_shards: int):
+    """``generation_work`` of one of ``n_shards`` shards of ``prompts``: an equal share of
+    their predicted work, as one unit (a task is never split); without a policy, none."""
+    if policy is None:
+        return nullcontext()
+    tokens, longest, prompt_tokens = policy.predict_work(
+        prompts.column("prompt_id").to_pylist(),
+        [len(p) for p in prompts.column("prompt_ids").to_pylist()], n_samples)
+    return generation_work([tokens.sum() / n_shards], [longest.max(initial=0.0)],
+                           [prompt_tokens.sum() / n_shards])
+
+
 def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   gen: GenSpec, reward: RewardSpec, *, seed: int, min_prefix: int,
                   tag: str = "", target_version: int | None = None,
+                  policy: ElasticPolicy | None = None,
                   ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """dedup → shard → generate → reward for ``prompts``; returns (plan, shards, scored
     shards). ``seed``: the run's; every shard generates under ``generation_seed(seed,
     iteration)``. ``target_version``: the trainer version that consumes them (async mode;
-    see ``generate_task``)."""
+    see ``generate_task``). ``policy``: predicts the work each generate task declares."""
     gen_seed = generation_seed(seed, iteration)
     with dask.annotate(resources={"TRAIN": 1}):
         plan = delayed(plan_prefixes)(prompts, gen.n_samples, min_prefix,
@@ -85,9 +104,10 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     scored = []
     with dask.annotate(resources={"GEN": 1}):
         for i, shard in enumerate(shards):
-            rollouts = delayed(generate_task)(
-                shard, weights, gen, gen_seed, target_version,
-                dask_key_name=task_key("generate", iteration, i, tag=tag))
+            with shard_work(policy, prompts, gen.n_samples, n_shards):
+                rollouts = delayed(generate_task)(
+                    shard, weights, gen, gen_seed, target_version,
+                    dask_key_name=task_key("generate", iteration, i, tag=tag))
             scored.append(delayed(reward_task)(
                 rollouts, reward, dask_key_name=task_key("reward", iteration, i, tag=tag)))
     return plan, shards, scored
@@ -96,12 +116,13 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
 def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, *, algorithm: str, seed: int,
                     min_prefix: int, target_version: int | None = None,
+                    policy: ElasticPolicy | None = None,
                     ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """``rollout_graph`` → advantage: returns (plan, shards, one trainable table per
     shard)."""
     plan, shards, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
                                          seed=seed, min_prefix=min_prefix,
-                                         target_version=target_version)
+                                         target_version=target_version, policy=policy)
     with dask.annotate(resources={"GEN": 1}):
         trainables = [
             delayed(advantage_task)(s, algorithm, gen.n_samples,

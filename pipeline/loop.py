@@ -74,7 +74,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
-        accuracy = evaluate(pc, heldout, weights, specs, cfg)
+        accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
@@ -93,7 +93,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
                                                                          cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
-                accuracy = evaluate(pc, heldout, weights, specs, cfg)
+                accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
             done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
             bar.update(done - bar.n)
@@ -102,4 +102,5 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             if cfg.max_wall_s and time.time() - started >= cfg.max_wall_s:
                 break
         runner.close()  # batches generated ahead of a stop
+        eg.log_queue_targets(done)
     write_ledger(run, ledger, durable.totals_before)

@@ -2,7 +2,8 @@
 
 ``ElasticityPlugin`` runs inside the Dask scheduler. It holds the worker count the elastic
 policy wants for each pool (``set_pool_target``, from the driver, where the policy has the
-batch's predicted lengths) and answers the cluster's ``PoolAdaptive`` (``dask_adaptive.py``)
+batch's predicted lengths; between the driver's decisions, from the queued work: below)
+and answers the cluster's ``PoolAdaptive`` (``dask_adaptive.py``)
 through two scheduler handlers it installs at start:
 
 * ``elastic_target(pool)``: the pool's target, or None when none was set;
@@ -21,15 +22,60 @@ holds, or a task that needs its warm engine).
 
 It also records, as plain tuples the driver drains (``drain``), worker arrivals and
 departures (scheduler clock) with the worker's name and resources: the cost ledger's input.
+
+**Queued work.** Every generation task declares its predicted work as a Dask annotation
+(``generation_work``, the one helper every submit site uses: the static graph, the elastic
+controller, the async batches): units never split between workers, each with predicted
+response tokens, longest sequence and prompt tokens (``ElasticPolicy.predict_work``). The
+``transition`` hook keeps the annotated tasks that are waiting, queued or processing; a
+task leaving for memory, erred, released or forgotten drops out. Once the driver has
+installed a pool's sizing rule (``install_sizing``: ``ElasticPolicy.sizing``, a snapshot of
+the policy), the pool's target follows that queue:
+
+* work arriving raises the target to the rule's plan of everything queued, never above the
+  workers the queued tasks can use: those they are pinned to, plus one per task free to
+  run anywhere. Work free to run anywhere (the static graph's generate tasks, an
+  evaluation) grows the pool without the driver; the elastic controller pins its chunks
+  to the workers its own plan of the batch started, so there the rule only confirms it;
+* a drained queue lowers it to what the rule keeps through the predicted idle gap (the
+  policy's keep-alive), once the queue has stayed drained ``SETTLE_S`` (the driver submits
+  a paused tail's continuation within milliseconds of its chunk's end, and the next batch
+  of an async run as soon as the last is generated); the veto still holds every busy or
+  pinned worker. A queue drained only in part lowers nothing: a worker idle in the middle
+  of a batch is the elastic controller's to release, as it places the tails.
+
+Each change, and each drained queue that keeps the pool, is a record
+(``drain_target_changes``) the driver writes to ``decisions.jsonl``;
+a target the driver sets (``set_pool_target``) overrides the rule's until the queue moves.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+if TYPE_CHECKING:
+    from .policy import PoolSizing
+
 PLUGIN_NAME = "rlhfless-elasticity"
+WORK = "generation_work"  # the annotation of a generation task's predicted work
+ACTIVE = frozenset({"waiting", "queued", "processing", "no-worker"})  # queued work's states
+SETTLE_S = 1.0  # a queue stays drained this long before the pool shrinks
+
+
+def generation_work(tokens: Sequence[float], longest: Sequence[float],
+                    prompt_tokens: Sequence[float], pool: str = "gen"):
+    """``with generation_work(...):`` around ``client.submit`` or ``delayed`` calls: the
+    generation tasks made inside declare their predicted work to the scheduler, one entry
+    per unit never split between workers (response tokens of all its sequences, its longest
+    sequence, its prompt tokens)."""
+    return dask.annotate(**{WORK: {"pool": pool, "tokens": [float(x) for x in tokens],
+                                   "longest": [float(x) for x in longest],
+                                   "prompt_tokens": [float(x) for x in prompt_tokens]}})
 
 
 def pool_of(worker_name: str) -> str:
@@ -45,6 +91,11 @@ class ElasticityPlugin(SchedulerPlugin):
         self.targets: dict[str, int] = {}  # pool -> workers the policy wants
         self.to_close: dict[str, list[str]] = {}  # pool -> workers the policy would close
         self._names: dict[str, str] = {}  # address -> worker name
+        self.work: dict[Any, dict] = {}  # key -> predicted work of a queued generation task
+        self.sizing: dict[str, PoolSizing] = {}  # pool -> the rule that sizes it from its queue
+        # pool -> a drained queue's decision (target, reason, since, key), not yet taken
+        self.pending: dict[str, tuple[int, str, float, Any]] = {}
+        self.changes: list[dict] = []  # the rule's target changes, for the driver
         self.scheduler = None
 
     async def start(self, scheduler) -> None:
@@ -66,14 +117,85 @@ class ElasticityPlugin(SchedulerPlugin):
         events, self.events = self.events, []
         return events
 
+    # ---- queued work -------------------------------------------------------------------
+
+    def transition(self, key, start: str, finish: str, *args, stimulus_id=None,
+                   **kwargs) -> None:
+        if finish in ACTIVE:
+            if key in self.work:
+                return
+            ts = self.scheduler.tasks.get(key)
+            work = (ts.annotations or {}).get(WORK) if ts is not None else None
+            if work is not None:
+                self.work[key] = work
+                self._arrived(work["pool"], key)
+        elif key in self.work:
+            pool = self.work.pop(key)["pool"]
+            if not any(w["pool"] == pool for w in self.work.values()):
+                self._drained(pool, key)
+
+    def queued(self, pool: str) -> dict[Any, dict]:
+        """The predicted work of ``pool``'s queued and running generation tasks, by key."""
+        return {key: w for key, w in self.work.items() if w["pool"] == pool}
+
+    def _arrived(self, pool: str, key) -> None:
+        sizing = self.sizing.get(pool)
+        if sizing is None:
+            return
+        self.pending.pop(pool, None)
+        queued = self.queued(pool)
+        members = {ws.address for ws in self._members(pool)}
+        held, free = set(), 0
+        for k in queued:
+            ts = self.scheduler.tasks.get(k)
+            pinned = (ts.worker_restrictions or set()) & members if ts is not None else set()
+            held |= pinned
+            free += not pinned
+        units = [[x for w in queued.values() for x in w[f]]
+                 for f in ("tokens", "longest", "prompt_tokens")]
+        n, why = sizing.target(*units, current=len(members), held=len(held),
+                               room=len(held) + free)
+        if n > self.targets.get(pool, len(members)):
+            self._change(pool, n, why, key, len(queued))
+
+    def _drained(self, pool: str, key) -> None:
+        sizing = self.sizing.get(pool)
+        if sizing is None:
+            return
+        n, why = sizing.target([], [], [], current=len(self._members(pool)))
+        self.pending[pool] = (n, why, time.time(), key)
+
+    def _change(self, pool: str, n: int, why: str, key, queued: int) -> None:
+        before = self.targets.get(pool, len(self._members(pool)))
+        self.targets[pool], self.to_close[pool] = int(n), []
+        self.changes.append({"t": time.time(), "pool": pool, "kind": "queue_target",
+                             "from": before, "to": int(n), "queued_tasks": queued,
+                             "reason": why, "key": str(key)})
+
+    def _members(self, pool: str) -> list:
+        return [ws for ws in self.scheduler.workers.values() if pool_of(ws.name) == pool]
+
+    def drain_changes(self) -> list[dict]:
+        changes, self.changes = self.changes, []
+        return changes
+
     # ---- targets -----------------------------------------------------------------------
 
     def set_target(self, pool: str, n: int, close: list[str] = ()) -> None:
         """The policy wants ``n`` workers in ``pool``; ``close``: which to close first."""
         self.targets[pool] = int(n)
         self.to_close[pool] = [str(c) for c in close]
+        self.pending.pop(pool, None)
 
     def target(self, pool: str) -> int | None:
+        """The pool's target; once a drained queue has stayed drained ``SETTLE_S``, what
+        the rule made of it (lower, or kept through the idle gap: a record either way)."""
+        pending = self.pending.get(pool)
+        if pending is not None and time.time() - pending[2] >= SETTLE_S:
+            del self.pending[pool]
+            n, why, _, key = pending
+            now = self.targets.get(pool, len(self._members(pool)))
+            self._change(pool, min(n, now), why, key, 0)
         return self.targets.get(pool)
 
     def workers_to_close(self, pool: str, n: int) -> list[str]:
@@ -110,3 +232,16 @@ def drain_events(dask_scheduler) -> list[tuple]:
 def set_pool_target(dask_scheduler, pool: str, n: int, close: list[str] = ()) -> None:
     """For ``client.run_on_scheduler``: the policy's target of ``pool``."""
     dask_scheduler.plugins[PLUGIN_NAME].set_target(pool, n, close)
+
+
+def install_sizing(dask_scheduler, pool: str, sizing: PoolSizing) -> None:
+    """For ``client.run_on_scheduler``: from now on ``pool``'s target follows its queued
+    work by ``sizing`` (``ElasticPolicy.sizing``)."""
+    dask_scheduler.plugins[PLUGIN_NAME].sizing[pool] = sizing
+
+
+def drain_target_changes(dask_scheduler) -> list[dict]:
+    """For ``client.run_on_scheduler``: the target changes the queue made since the last
+    drain (records for ``decisions.jsonl``; ``key``: the task whose arrival or departure
+    made it)."""
+    return dask_scheduler.plugins[PLUGIN_NAME].drain_changes()

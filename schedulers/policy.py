@@ -24,10 +24,18 @@ simulated clocks. Call order, per iteration:
    (``observe_move`` as each move lands).
 
 ``state_dict`` / ``load_state_dict`` round-trip everything it learned (checkpoints).
+
+``sizing`` hands the scheduler a ``PoolSizing``: a snapshot of the policy (its throughput
+model and the seconds that follow generation, not its predictor) that sizes the pool from
+the generation work queued in the scheduler, with the same ``plan`` and keep-alive. Queued
+work is in units that are never split between workers (a prompt group, a paused tail's
+sequence, a whole task of the static graph), each with its predicted response tokens, its
+longest sequence and its prompt tokens (``predict_work``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +102,13 @@ class ElasticPolicy:
     def predict(self, prompt_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Predicted (mean, max) response tokens of each prompt's group."""
         return self.predictor.predict(prompt_ids), self.predictor.predict_max(prompt_ids)
+
+    def predict_work(self, prompt_ids: Sequence[str], prompt_tokens: ArrayLike,
+                     n_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each prompt group's predicted work: (response tokens of its ``n_samples``
+        samples, its longest sample, its prompt tokens), the units of ``PoolSizing``."""
+        mean, longest = self.predict(prompt_ids)
+        return mean * n_samples, longest, np.asarray(prompt_tokens, dtype=np.float64)
 
     def assign(self) -> Assign:
         """The assignment the knobs ask for (``replay`` is the simulator's own)."""
@@ -172,6 +187,16 @@ class ElasticPolicy:
         release it now."""
         return idle_gap_s < self.keep_alive_s(restart_s)
 
+    def sizing(self, n_samples: int, max_workers: int,
+               rest_workers: float | None = None) -> PoolSizing:
+        """The rule that sizes the pool from queued work, for the scheduler: a picklable
+        snapshot of what ``plan`` and ``keeps_alive`` read (not the predictor: the queued
+        work carries its predictions)."""
+        snapshot = ElasticPolicy(self.knobs, copy.deepcopy(self.throughput))
+        snapshot.update_seconds = self.update_seconds
+        snapshot.planned_generation_s = self.planned_generation_s
+        return PoolSizing(snapshot, n_samples, max_workers, rest_workers)
+
     # ---- observe -----------------------------------------------------------------------
 
     def observe_lengths(self, prompt_ids: Sequence[str],
@@ -218,3 +243,40 @@ class ElasticPolicy:
         self.update_seconds = float(state["update_seconds"])
         if state.get("kv"):  # checkpoints written before KV moves were learned have none
             self.kv.load_state_dict(state["kv"])
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How many workers the queued generation work wants: ``ElasticPolicy.plan`` of it,
+    ``keeps_alive`` when none is queued. Made by ``ElasticPolicy.sizing``; pure (but for
+    the snapshot's own ``planned_generation_s``) and picklable, so that it runs inside the
+    scheduler (``ElasticityPlugin``)."""
+
+    policy: ElasticPolicy  # a snapshot: throughput model, knobs, seconds after generation
+    n_samples: int  # samples per prompt group
+    max_workers: int  # the pool's maximum
+    rest_workers: float | None = None  # see ElasticPolicy.plan
+
+    def target(self, tokens: ArrayLike, longest: ArrayLike, prompt_tokens: ArrayLike, *,
+               current: int, held: int = 0, room: int | None = None) -> tuple[int, str]:
+        """(workers, reason) for the queued units (``ElasticPolicy.predict_work``'s
+        arrays); ``current``: workers in the pool (warm); ``held``: workers the queued work
+        is pinned to (never fewer); ``room``: the most workers it can use (pinned workers
+        plus tasks free to go anywhere; None: no bound). Nothing queued: the pool is kept
+        through the predicted idle gap if that is shorter than the keep-alive, else
+        released down to ``held``."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        policy = self.policy
+        if not tokens.size:
+            gap, keep = policy.idle_gap_s(0.0), policy.keep_alive_s()
+            if policy.keeps_alive(gap):
+                return current, f"queue drained; idle gap {gap:.2f} s < keep-alive {keep:.2f} s"
+            return held, f"queue drained; idle gap {gap:.2f} s >= keep-alive {keep:.2f} s"
+        decision = policy.plan(tokens / self.n_samples, np.asarray(longest, np.float64),
+                               self.n_samples, np.asarray(prompt_tokens, np.float64),
+                               keep_warm=current, max_workers=self.max_workers,
+                               rest_workers=self.rest_workers)
+        n = max(decision.n_workers if room is None else min(decision.n_workers, room), held)
+        return n, (f"{tokens.size} queued units, {tokens.sum():.0f} predicted tokens: "
+                   f"argmin λ·T+(1-λ)·C = {decision.n_workers} workers"
+                   + (f", {n} usable" if n != decision.n_workers else ""))

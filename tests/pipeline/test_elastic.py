@@ -23,7 +23,15 @@ from rlhfless.pipeline.rollout_tasks import (
     generate_chunk_task,
     resume_task,
 )
+from rlhfless.schedulers.dask_plugin import (
+    PLUGIN_NAME,
+    drain_target_changes,
+    generation_work,
+    install_sizing,
+)
 from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.throughput import ThroughputModel
 
 N_SAMPLES = 4
 
@@ -124,6 +132,49 @@ def test_ledger_agrees_with_measured_lifetime(cluster):
     billed = life["worker_s"]
     measured = gone - requested
     assert abs(billed - measured) <= 0.05 * measured, (billed, measured)
+
+
+def _until(done, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not done():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_queued_generation_work_grows_and_drains_the_pool(cluster):
+    """Three annotated generation tasks free to run on any generation worker: the plugin's
+    sizing rule raises the target to three, Dask's periodic adaptive step grows the pool
+    with no call from the driver; once they are done the queue has drained, the idle gap
+    (10 s of update) exceeds the keep-alive (a 1 s cold start) and the pool is released.
+    The last test of the module's cluster: it leaves no generation worker."""
+    policy = ElasticPolicy(ElasticKnobs(), ThroughputModel(step_slope_s=0.01, cold_start_s=1.0))
+    policy.update_seconds = 10.0
+    c = cluster.client
+    before = cluster.worker_names("gen")
+    c.run_on_scheduler(install_sizing, pool="gen", sizing=policy.sizing(4, 3))
+    try:
+        futures = []
+        for i in range(3):
+            with generation_work([2000.0] * 4, [600.0] * 4, [50.0] * 4):
+                futures.append(c.submit(time.sleep, 0.3, key=f"generate-9-{i}",
+                                        resources={"GEN": 1}, pure=False))
+        _until(lambda: len(cluster.worker_names("gen")) == 3)  # Adaptive grew it
+        c.gather(futures)
+        del futures
+        _until(lambda: not cluster.connected() & {*before, *cluster.worker_names("gen")}
+               and not cluster.worker_names("gen"))
+    finally:
+        c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME]
+                           .sizing.clear())
+    changes = c.run_on_scheduler(drain_target_changes)
+    assert [c["to"] for c in changes][-1] == 0 and max(c["to"] for c in changes) == 3
+    assert all(c["kind"] == "queue_target" for c in changes)
+    cluster.sync_events()
+    grown = [r for r in cluster.ledger.records() if r["kind"] == "worker"
+             and r["pool"] == "gen" and r["name"] not in before]
+    assert grown and all(r["t_end"] is not None for r in grown)  # billed until they left
+    assert cluster.ledger.running("gen") == []
+    assert not cluster.adaptive.requested_at  # each worker it started billed from its request
 
 
 def test_elastic_run_scales_and_loses_no_sample(tiny_model_dir, tmp_path):

@@ -1,9 +1,10 @@
-"""The scheduler plugin's targets and veto, and PoolAdaptive, against in-memory fakes.
+"""The scheduler plugin's targets, veto and queued work, and PoolAdaptive, against fakes.
 
 As dask's own ``deploy/tests/test_adaptive_core.py`` does: no cluster, no processes. The
-plugin runs on a fake scheduler state (workers, tasks, plugins, handlers); ``PoolAdaptive``
-runs Dask's real ``Adaptive`` / ``AdaptiveCore`` logic over a fake cluster whose scheduler
-comm dispatches to those handlers. The real-LocalCluster test is in
+plugin runs on a fake scheduler state (workers, tasks with annotations, plugins, handlers;
+the scheduler's transitions are the plugin's ``transition`` called by hand);
+``PoolAdaptive`` runs Dask's real ``Adaptive`` / ``AdaptiveCore`` logic over a fake cluster
+whose scheduler comm dispatches to those handlers. The real-LocalCluster tests are in
 ``tests/pipeline/test_elastic.py``.
 """
 
@@ -12,8 +13,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import dask
+import pytest
+
+from rlhfless.schedulers import dask_plugin
 from rlhfless.schedulers.dask_adaptive import PoolAdaptive
-from rlhfless.schedulers.dask_plugin import ElasticityPlugin
+from rlhfless.schedulers.dask_plugin import WORK, ElasticityPlugin, generation_work
+from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.throughput import ThroughputModel
 
 
 @dataclass(eq=False)
@@ -31,6 +38,7 @@ class FakeWorker:
 class FakeTask:
     state: str
     worker_restrictions: set
+    annotations: dict = field(default_factory=dict)
 
 
 class FakeScheduler:
@@ -160,3 +168,123 @@ def test_wait_count_damps_a_flapping_target():
         assert len(s.retired) == 1
 
     asyncio.run(run())
+
+
+# ---- queued generation work ------------------------------------------------------------
+
+
+def _sizing(keep_alive_s: float = -1.0, max_workers: int = 4):
+    """A policy whose decode steps slow down a lot with the batch (so that spreading a
+    batch pays), with a 1 s cold start and 10 s after generation (an idle gap longer than
+    the break-even keep-alive)."""
+    policy = ElasticPolicy(ElasticKnobs(keep_alive_s=keep_alive_s),
+                           ThroughputModel(step_slope_s=0.01, cold_start_s=1.0))
+    policy.update_seconds = 10.0
+    return policy.sizing(n_samples=4, max_workers=max_workers)
+
+
+def _arrive(s: FakeScheduler, plugin: ElasticityPlugin, key: str, groups: int,
+            pinned: set = frozenset()) -> None:
+    """A generation task of ``groups`` prompt groups (4 samples of 500 predicted tokens)
+    enters the scheduler."""
+    with generation_work([2000.0] * groups, [600.0] * groups, [50.0] * groups):
+        work = dask.get_annotations()[WORK]
+    s.tasks[key] = FakeTask("waiting", set(pinned), {WORK: work, "resources": {"GEN": 1}})
+    plugin.transition(key, "released", "waiting", stimulus_id="test")
+
+
+def _leave(s: FakeScheduler, plugin: ElasticityPlugin, key: str, finish="memory") -> None:
+    plugin.transition(key, "processing", finish, stimulus_id="test")
+    s.tasks[key].state = finish
+
+
+def test_queued_work_raises_the_target_and_a_drained_queue_lowers_it(monkeypatch):
+    monkeypatch.setattr(dask_plugin, "SETTLE_S", 0.0)
+    s, plugin = _setup(["gen-0", "train-0"])
+    _arrive(s, plugin, "generate-1-0", 4)
+    assert plugin.target("gen") is None  # no sizing rule installed: only tracked
+    assert list(plugin.queued("gen")) == ["generate-1-0"]
+    plugin.sizing["gen"] = sizing = _sizing()
+    _arrive(s, plugin, "generate-2-0", 4)
+    _arrive(s, plugin, "generate-2-1", 4)  # a batch generated ahead
+    want, _ = sizing.target([2000.0] * 12, [600.0] * 12, [50.0] * 12, current=1)
+    assert want == 4  # the policy's plan of the 12 groups queued ...
+    assert plugin.target("gen") == 3  # ... but 3 tasks can use no more than 3 workers
+    plugin.transition("generate-2-0", "waiting", "processing", stimulus_id="test")
+    _leave(s, plugin, "generate-1-0")
+    _leave(s, plugin, "generate-2-0", "erred")
+    assert plugin.target("gen") == 3  # drained in part: nothing lowers
+    _leave(s, plugin, "generate-2-1", "forgotten")
+    assert plugin.queued("gen") == {} and plugin.target("gen") == 0  # gap 10 s > 1 s
+    changes = plugin.drain_changes()
+    assert [(c["from"], c["to"]) for c in changes] == [(1, 2), (2, 3), (3, 0)]
+    assert changes[-1]["key"] == "generate-2-1" and "keep-alive" in changes[-1]["reason"]
+    assert plugin.drain_changes() == []
+
+
+def test_pinned_work_never_asks_for_workers_it_cannot_use(monkeypatch):
+    monkeypatch.setattr(dask_plugin, "SETTLE_S", 0.0)
+    s, plugin = _setup(["gen-0", "gen-1", "train-0"])
+    plugin.sizing["gen"] = _sizing(keep_alive_s=100.0)
+    plugin.set_target("gen", 2)  # the driver's plan, its chunks pinned to gen-0 and gen-1
+    _arrive(s, plugin, "generate-1-0", 8, pinned={"tcp://gen-0"})
+    _arrive(s, plugin, "generate-1-1", 8, pinned={"tcp://gen-1"})
+    assert plugin.target("gen") == 2 and plugin.drain_changes() == []
+    _leave(s, plugin, "generate-1-0")
+    assert plugin.drain_changes() == []
+    _leave(s, plugin, "generate-1-1")
+    assert plugin.target("gen") == 2  # an idle gap of 10 s < keep-alive 100 s: kept
+    (kept,) = plugin.drain_changes()
+    assert (kept["from"], kept["to"]) == (2, 2) and "< keep-alive 100.00 s" in kept["reason"]
+
+
+def test_the_drivers_target_and_new_work_cancel_a_pending_shrink(monkeypatch):
+    s, plugin = _setup(["gen-0", "gen-1"])
+    plugin.sizing["gen"] = _sizing()
+    plugin.set_target("gen", 2)
+    _arrive(s, plugin, "generate-1-0", 1)
+    _leave(s, plugin, "generate-1-0")
+    assert plugin.target("gen") == 2  # drained, but not for SETTLE_S yet
+    _arrive(s, plugin, "resume-1-0", 1, pinned={"tcp://gen-0"})  # a paused tail goes on
+    monkeypatch.setattr(dask_plugin, "SETTLE_S", 0.0)
+    assert plugin.target("gen") == 2
+    _leave(s, plugin, "resume-1-0")
+    plugin.set_target("gen", 2)  # the driver decided after the queue did
+    assert plugin.target("gen") == 2 and plugin.drain_changes() == []  # nothing applied
+
+
+def test_adaptive_follows_the_queued_work(monkeypatch):
+    monkeypatch.setattr(dask_plugin, "SETTLE_S", 0.0)
+    s, plugin = _setup(["gen-0", "train-0"])
+    cluster = FakeCluster(s)
+    plugin.sizing["gen"] = _sizing()
+
+    async def run() -> PoolAdaptive:
+        adapt = PoolAdaptive(cluster, pool="gen", interval=0, wait_count=1)
+        for i in range(3):
+            _arrive(s, plugin, f"generate-1-{i}", 4)
+        await adapt.adapt()
+        assert adapt.log[-1][1] == {"status": "up", "n": 3} and len(adapt.plan) == 3
+        assert set(adapt.requested_at) == {"gen-1", "gen-2"}  # billed from their request
+        s.worker("gen-1").processing.add("generate-1-1")
+        for i in range(3):
+            _leave(s, plugin, f"generate-1-{i}")
+        await adapt.adapt()
+        assert adapt.plan == {"gen-1"}  # busy (with other work): vetoed
+        s.worker("gen-1").processing.clear()
+        await adapt.adapt()
+        assert adapt.plan == set() and "train-0" in cluster.plan
+        return adapt
+
+    adapt = asyncio.run(run())
+    assert [entry["status"] for _, entry in adapt.log] == ["up", "down", "down"]
+
+
+@pytest.mark.parametrize("finish", ["memory", "erred", "released", "forgotten"])
+def test_a_task_that_leaves_the_queue_drops_out(finish):
+    s, plugin = _setup(["gen-0"])
+    _arrive(s, plugin, "generate-1-0", 2)
+    plugin.transition("generate-1-0", "waiting", "queued", stimulus_id="test")
+    assert list(plugin.queued("gen")) == ["generate-1-0"]
+    _leave(s, plugin, "generate-1-0", finish)
+    assert plugin.queued("gen") == {}
