@@ -16,9 +16,10 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
    path was the faster one measured.
 
 With them, per model, the bounds: ``reconfig_bound`` (what consolidating even tails gains
-per step by the profile, against the margin it must clear) and ``latency_bound`` (the
-static run's decode by the fitted step model, and the best latency any move or
-reconfiguration could give: ``tail_cost.latency_bound``).
+per step by the profile's measured points, against the margin it must clear; the tail
+batches whose consolidated batch lies beyond the largest measured one are listed) and
+``latency_bound`` (the static run's decode by the fitted step model, and the best latency
+any move or reconfiguration could give: ``tail_cost.latency_bound``).
 
 ``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
 ``tiny`` the one where it does not. Prints one JSON line.
@@ -91,11 +92,14 @@ def reconfig_bound(profile) -> dict:
     """Where the profile says a reconfiguration of even tails pays before any move cost: per
     tail batch ``b`` on each worker, one worker with both threads decoding the
     ``WORKERS * b`` against each decoding its own, needed above ``1 / (1 - noise)``
-    (``plan_reconfig``'s margin; uneven tails can pay at less)."""
+    (``plan_reconfig``'s margin; uneven tails can pay at less). ``extrapolated``: the ``b``
+    whose ``WORKERS * b`` exceeds the largest batch measured on ``WORKERS`` threads."""
     need = 1 / (1 - profile.noise) if profile.noise < 1 else float("inf")
     gain = {b: round(profile.consolidation_speedup(b, WORKERS), 3) for b in PROFILE_BATCHES}
     return {"consolidation_speedup": gain, "needed": round(need, 3),
-            "pays": {b: g > need for b, g in gain.items()}}
+            "pays": {b: g > need for b, g in gain.items()},
+            "extrapolated": [b for b in PROFILE_BATCHES
+                             if WORKERS * b > profile.largest_batch(WORKERS)]}
 
 
 def static_bound(profile, res: dict) -> dict:

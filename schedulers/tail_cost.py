@@ -14,9 +14,10 @@ Two pure decisions, both from the run's own timings:
   exceeds the reconfiguration's own cost (moving the other tails' context).
 
 Under continuous batching a worker whose sequences have ``r_i`` tokens left runs
-``max r_i`` steps, the live batch at step ``s`` being ``#{i: r_i >= s}``; a profile that
-is linear in the batch per thread count (``a_t + c_t * b``) sums to
-``a_t * max r + c_t * sum r`` (``throughput.py``'s identity).
+``max r_i`` steps, the live batch at step ``s`` being ``#{i: r_i >= s}``; the plan sums
+the measured step time at each of those batches (interpolated between measured batch
+sizes), not a line fitted through them: a step profile need not be linear in the batch,
+and a fit's slope can credit threads with a per-sequence speedup no measured point shows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .throughput import ThroughputModel
 
@@ -144,9 +146,13 @@ class KvCosts:
 
 class StepProfile:
     """Decode step seconds by live batch and torch threads, measured: several samples per
-    (batch, threads), linear in the batch for each thread count (least squares over the
-    samples' medians). ``noise`` is the largest relative half-range of a point's samples:
-    how far this measurement could be off, the margin a decision taken from it must clear."""
+    (batch, threads). A step's seconds at a batch is the samples' median at a measured batch,
+    linear between the two measured batches around it, and past the largest measured batch
+    continues the last measured segment's slope (never falling; ``largest_batch`` says where
+    that begins, so a caller can say it extrapolated). ``fit`` (least squares
+    ``a_t + c_t * b`` over the medians per thread count) serves only ``latency_bound``'s
+    closed form. ``noise`` is the largest relative half-range of a point's samples: how far
+    this measurement could be off, the margin a decision taken from it must clear."""
 
     def __init__(self, measured: Mapping[tuple[int, int], Sequence[float]]) -> None:
         if not measured or any(len(v) == 0 or min(v) <= 0 for v in measured.values()):
@@ -157,9 +163,11 @@ class StepProfile:
             by_threads.setdefault(int(threads), []).append((int(batch), float(np.median(samples))))
         if any(len({b for b, _ in v}) < 2 for v in by_threads.values()):
             raise ValueError("StepProfile: measure at least two batch sizes per thread count")
+        self.points: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.fit: dict[int, tuple[float, float]] = {}
         for threads, points in by_threads.items():
-            b, s = np.array(points, dtype=np.float64).T
+            b, s = np.array(sorted(points), dtype=np.float64).T
+            self.points[threads] = (b, s)
             c, a = np.polyfit(b, s, 1)
             self.fit[threads] = (max(float(a), 0.0), max(float(c), 0.0))
         self.noise = max((max(v) - min(v)) / (2 * float(np.median(v)))
@@ -167,29 +175,38 @@ class StepProfile:
 
     @property
     def threads(self) -> list[int]:
-        return sorted(self.fit)
+        return sorted(self.points)
+
+    def largest_batch(self, threads: int) -> int:
+        """The largest batch measured at ``threads``: beyond it step times are extrapolated."""
+        return int(self.points[threads][0][-1])
+
+    def step_seconds(self, batch: ArrayLike, threads: int) -> np.ndarray:
+        """Seconds of one decode step of ``batch`` live sequences on ``threads`` threads."""
+        b, s = self.points[threads]
+        x = np.asarray(batch, dtype=np.float64)
+        slope = max(0.0, float((s[-1] - s[-2]) / (b[-1] - b[-2])))
+        return np.where(x > b[-1], s[-1] + slope * (x - b[-1]), np.interp(x, b, s))
 
     def decode_seconds(self, remaining: Sequence[float], threads: int) -> float:
-        """Seconds to decode sequences with ``remaining`` tokens left, all in one batch."""
-        rem = np.asarray(remaining, dtype=np.float64)
+        """Seconds to decode sequences with ``remaining`` tokens left, all in one batch: the
+        ``k`` longest are live for ``r_(k) - r_(k+1)`` steps (``r`` descending), each at the
+        step time of batch ``k``."""
+        rem = np.sort(np.asarray(remaining, dtype=np.float64))[::-1]
         if rem.size == 0:
             return 0.0
-        a, c = self.fit[threads]
-        return a * float(rem.max()) + c * float(rem.sum())
+        steps = rem - np.append(rem[1:], 0.0)
+        return float(steps @ self.step_seconds(np.arange(1, rem.size + 1), threads))
 
     def speedup(self, batch: int, threads: int, base: int = 1) -> float:
-        a0, c0 = self.fit[base]
-        a, c = self.fit[threads]
-        return (a0 + c0 * batch) / (a + c * batch)
+        return float(self.step_seconds(batch, base) / self.step_seconds(batch, threads))
 
     def consolidation_speedup(self, batch: int, workers: int) -> float:
         """Per step, how much sooner one worker with the threads of ``workers`` one-thread
         workers decodes all their tails of ``batch`` sequences each (one batch of
         ``workers * batch``) than they do, each its own at once: a reconfiguration pays only
         where this exceeds ``1 / (1 - noise)``, before any move cost."""
-        a1, c1 = self.fit[1]
-        a, c = self.fit[workers]
-        return (a1 + c1 * batch) / (a + c * workers * batch)
+        return float(self.step_seconds(batch, 1) / self.step_seconds(workers * batch, workers))
 
     def to_record(self) -> dict:
         return {"fit": {str(t): list(ac) for t, ac in self.fit.items()},
@@ -221,8 +238,10 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
 
     ``tails``: per live worker, the predicted remaining tokens of its sequences;
     ``overhead_s``: per candidate target, the seconds to bring the other tails to it
-    (``choose_kv_path`` of each). Fires when the consolidated finish, overhead included, is
-    sooner than staying by more than the profile's noise: the predicted gain exceeds the
+    (``choose_kv_path`` of each). Both sides are timed by ``StepProfile.decode_seconds``
+    (the measured step times at the batches the tails run at; the reason names any batch
+    beyond the largest measured one). Fires when the consolidated finish, overhead included,
+    is sooner than staying by more than the profile's noise: the predicted gain exceeds the
     reconfiguration cost, and would still if the profile were off by its own spread.
     Core-seconds of both are recorded (the released workers stop billing at once).
     """
@@ -231,7 +250,7 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     stay_s = max(each.values(), default=0.0)
     stay_cs = float(sum(s * threads[w] for w, s in each.items()))
     total = sum(threads[w] for w in live)
-    if len(live) < 2 or total not in profile.fit:
+    if len(live) < 2 or total not in profile.points:
         return ReconfigChoice(False, "", 0, stay_s, stay_s, 0.0, stay_cs, stay_cs,
                               f"{len(live)} live worker(s), {total} threads unprofiled: stay")
     every = np.concatenate(list(live.values()))
@@ -240,10 +259,13 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     move_s = overhead_s[target] + wide_s
     stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
     fire = move_s < stay_s * (1 - profile.noise)
+    batches = [(r.size, threads[w]) for w, r in live.items()] + [(every.size, total)]
+    beyond = [f"{n} on {t} thread(s), largest measured {profile.largest_batch(t)}"
+              for n, t in batches if n > profile.largest_batch(t)]
     why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
            f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
            f"{overhead_s[target]:.2f} s = {move_s:.2f} s; margin {profile.noise:.0%} "
-           "(profile noise)")
+           "(profile noise)" + (f"; extrapolated batch {', '.join(beyond)}" if beyond else ""))
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
                           float(overhead_s[target]), stay_cs, move_cs,
                           ("consolidate: " if fire else "stay: ") + why)

@@ -80,6 +80,64 @@ def test_consolidation_speedup_charges_the_doubled_batch():
     assert profile.consolidation_speedup(4, 2) == pytest.approx(0.014 * 1.8 / 0.018)
 
 
+# A measured profile of the 200M-parameter ``wide`` model (bench/tail.py, 24 prompts): step
+# medians at batch 1 / 8 / 16 on 1 thread (both workers at once) and 2 threads (one alone),
+# 9 % noise. Not linear in the batch: steps at 8 and 16 cost nearly the same.
+WIDE_MS = {1: (50, 47), 8: (175, 150), 16: (213, 171)}
+
+
+def _wide_profile() -> StepProfile:
+    return StepProfile({(b, t + 1): [ms[t] * 1e-3 * f for f in (0.91, 1.0, 1.09)]
+                        for b, ms in WIDE_MS.items() for t in (0, 1)})
+
+
+def _linear_fit_seconds(profile: StepProfile, remaining: list[float], threads: int) -> float:
+    """The rule this profile's decision replaced: ``a_t * max r + c_t * sum r`` of the fit."""
+    a, c = profile.fit[threads]
+    return a * max(remaining) + c * sum(remaining)
+
+
+def test_step_times_are_the_measured_points_interpolated_and_extrapolated_flat_or_up():
+    profile = _wide_profile()
+    assert profile.step_seconds(8, 1) == pytest.approx(0.175)
+    assert profile.step_seconds(4, 1) == pytest.approx(0.050 + 3 * 0.125 / 7)
+    assert profile.largest_batch(2) == 16
+    assert profile.step_seconds(24, 2) == pytest.approx(0.171 + 8 * 0.021 / 8)
+    falling = StepProfile({(1, 1): [0.05], (8, 1): [0.30], (16, 1): [0.29]})
+    assert falling.step_seconds(32, 1) == pytest.approx(0.29)  # never extrapolated downwards
+    # continuous batching: 3 steps at batch 2, then 2 at batch 1
+    assert profile.decode_seconds([5, 3], 1) == pytest.approx(
+        3 * profile.step_seconds(2, 1) + 2 * 0.050)
+
+
+def test_a_linear_fit_credits_threads_the_measured_points_do_not():
+    """One worker's seven tails and the other's one: the fit's slope (2 threads 1.32x per
+    sequence) says consolidating gains 10 %, over the 9 % margin; the measured steps at
+    batch 7-8 (157-175 ms on 1 thread, 150 ms on 2) say 8 %: it stays."""
+    profile, tails = _wide_profile(), {"a": [36, 36, 36, 26, 26, 16, 11], "b": [16]}
+    fit_stay = max(_linear_fit_seconds(profile, r, 1) for r in tails.values())
+    fit_move = _linear_fit_seconds(profile, tails["a"] + tails["b"], 2)
+    assert fit_move < fit_stay * (1 - profile.noise)  # the old rule fired
+    plan = plan_reconfig(tails, {"a": 1, "b": 1}, profile, {"a": 0.0, "b": 0.0})
+    assert not plan.fire and plan.move_s > plan.stay_s * (1 - profile.noise)
+    assert "extrapolated" not in plan.reason  # every batch within the measured 16
+
+
+def test_reconfiguration_fires_where_the_measured_points_pay():
+    """Twelve tails of 30 tokens on one worker, one of 5 on the other: 2 threads at batch
+    12-13 (161-166 ms) against 1 thread at 12 (194 ms), 17 % sooner."""
+    profile = _wide_profile()
+    plan = plan_reconfig({"a": [30] * 12, "b": [5]}, {"a": 1, "b": 1}, profile,
+                         {"a": 0.07, "b": 0.07})
+    assert plan.fire and plan.threads == 2
+    assert plan.stay_s == pytest.approx(30 * profile.step_seconds(12, 1))
+    assert plan.move_s == pytest.approx(0.07 + 5 * profile.step_seconds(13, 2)
+                                        + 25 * profile.step_seconds(12, 2))
+    wider = plan_reconfig({"a": [30] * 16, "b": [5] * 4}, {"a": 1, "b": 1}, profile,
+                          {"a": 0.07, "b": 0.07})
+    assert "extrapolated batch 20 on 2 thread(s), largest measured 16" in wider.reason
+
+
 def test_latency_bound_is_the_longest_chain_or_the_spread_work():
     lengths = {"a": [40, 10], "b": [5, 5]}
     bound = latency_bound(_profile(1.0), lengths)
