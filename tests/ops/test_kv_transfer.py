@@ -17,7 +17,13 @@ from rlhfless.ops.generate import (
     prefill_prompts,
     run_decoding,
 )
-from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail, take_tail
+from rlhfless.ops.kv_transfer import (
+    export_tail,
+    import_tail,
+    recompute_tail,
+    split_tail,
+    take_tail,
+)
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.tinytask import make_prompt
 
@@ -102,6 +108,33 @@ def test_a_tail_split_over_two_targets_decodes_as_before_under_greedy(eos64, tok
             assert torch.allclose(torch.tensor(lps), torch.tensor(whole[live[p]][1]), atol=1e-9)
     with pytest.raises(ValueError, match="take_tail"):
         take_tail(tail, [len(live)])
+
+
+def test_a_tail_shed_in_part_decodes_as_before_on_both_sides(eos64, tokenizer, shard):
+    """``split_tail``: the shed sequences continue elsewhere, the others where they were
+    (the same paused batch, narrowed); both equal uninterrupted decoding (sampled)."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5)
+    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
+                   tokenizer.eos_token_id, tokenizer.pad_token_id,
+                   shard.column("prefix_len").to_pylist())
+    dec = _paused(eos64, tokenizer, shard, params, until=0.25)
+    live = dec.live.tolist()
+    assert len(live) >= 3
+    rows = shard.take([i // N_SAMPLES for i in range(len(whole))])
+    shed = [len(live) - 1, 0]
+    sent = pickle.loads(pickle.dumps(split_tail(dec, rows, 0.0, shed)))
+    assert sent.n_sequences == 2 and dec.live.tolist() == live[1:-1]
+    assert dec.cache.layers[0].keys.shape[0] == len(live) - 2
+    moved, _ = import_tail(eos64, [sent])
+    for batch, seqs in ((moved, [live[p] for p in shed]), (dec, live[1:-1])):
+        results = run_decoding(eos64, batch, params, tokenizer.eos_token_id).results()
+        got = results if batch is moved else [results[s] for s in seqs]
+        for seq, (ids, lps, reason) in zip(seqs, got):
+            assert ids == whole[seq][0] and reason == whole[seq][2]
+            assert torch.allclose(torch.tensor(lps), torch.tensor(whole[seq][1]), atol=1e-9)
+    for bad in ([], [0, 0], [len(live)]):
+        with pytest.raises(ValueError, match="split_tail"):
+            split_tail(_paused(eos64, tokenizer, shard, params, until=0.25), rows, 0.0, bad)
 
 
 def test_import_of_nothing_is_refused(eos64):
