@@ -110,12 +110,14 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
         next(as_completed(list(chunks.values())))
         Event(pause, client=c).set()
     wait(list(chunks.values()))
+    paused_s = time.time() - started
     if pause is not None:
         Event(pause, client=c).clear()
     outs = {n: f.result() for n, f in chunks.items()}
     done = [o["done"] for o in outs.values()]
     cuts = {n: o["cut"] for n, o in outs.items() if len(o["cut"])}
-    decision: dict = {"mode": mode, "tails": {n: len(t) for n, t in cuts.items()}}
+    decision: dict = {"mode": mode, "tails": {n: len(t) for n, t in cuts.items()},
+                      "paused_s": paused_s}
     released = [n for n in names if n not in cuts] if mode not in ("static", "split") else []
     target, moved = None, []
     if mode == "split":
@@ -159,6 +161,10 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     extra_core_s = sum((threads[n] - pc.pools["gen"].threads) * (ended - t)
                        for n, t in widened.items())
     table = Generated.concat(done).table
+    ends: dict[str, float] = {}  # per worker, its last rollout's end
+    for w, e in zip(table.column("worker").to_pylist(), table.column("gen_end").to_pylist()):
+        ends[w] = max(ends.get(w, e), e)
+    decision["finish_s"] = {w: e - started for w, e in sorted(ends.items())}
     return {"rollouts": table, "generation_s": ended - started, "worker_s": worker_s,
             "core_s": worker_s * pc.pools["gen"].threads + extra_core_s,
             "released": released, "decision": decision}
