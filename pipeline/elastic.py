@@ -42,7 +42,8 @@ again with its tail recomputed on the target from the cut rows the driver holds 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,28 @@ def generation_tasks(backend: str):
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:
     return f"{prompt_id}#{sample_idx}"
+
+
+@dataclass(frozen=True)
+class TailMove:
+    """Rows of a paused tail moved from ``source`` to ``target``, with what continues them
+    there: kept until they land, so that a lost export lands them again, recomputed."""
+
+    iteration: int
+    shard: int
+    index: int  # among the moves of its tail
+    source: str
+    target: str
+    rows: list[int]  # their positions in the cut tail
+    part: pa.Table  # the cut rows themselves
+    n_tail: int  # rows in the whole cut tail
+    weights: WeightsRef
+    specs: Any  # the run's task specs (``specs.gen``)
+    seed: int
+
+    def key(self, stage: str, tag: str = "") -> str:
+        """The key of this move's ``stage`` task (``tag``: of a move landed again)."""
+        return task_key(stage, self.iteration, self.shard, self.index, tag=tag)
 
 
 class ElasticGeneration:
@@ -163,7 +186,7 @@ class ElasticGeneration:
         self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
         self.moving: dict[str, dict] = {}  # key of a move's landing future -> its record
         self.exports: dict[str, list] = {}  # source -> futures of its exported tails
-        self.lost: dict[str, tuple | None] = {}  # a KV move's adopt/continue key -> its move
+        self.lost: dict[str, TailMove | None] = {}  # a KV move's adopt/continue key -> it
         if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
             self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
@@ -290,8 +313,8 @@ class ElasticGeneration:
         else:
             client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
         for j, (move, rows, part, context, choice, why) in enumerate(plans):
-            landing = self._move(shard, j, worker, move.target, rows, part, choice.path, sent,
-                                 len(ids), weights, specs, seed, iteration)
+            landing = self._move(TailMove(iteration, shard, j, worker, move.target, rows, part,
+                                          len(ids), weights, specs, seed), choice.path, sent)
             self.moving[landing] = {
                 "pool": "gen", "kind": "migrate", "source": worker, "target": move.target,
                 "sequences": len(rows), "context_tokens": context,
@@ -302,38 +325,36 @@ class ElasticGeneration:
                 "predicted_recompute_s": choice.recompute_s, "predicted_s": choice.predicted_s}
         return sum(len(m.seq_ids) for m in moves)
 
-    def _move(self, shard: int, j: int, source: str, target: str, rows: list[int],
-              part: pa.Table, path: str, sent, n_tail: int, weights, specs, seed: int,
-              iteration: int, tag: str = "") -> str:
-        """Continue ``part`` of a cut tail on ``target``: its exported KV (``sent``, cut to
-        ``rows`` on the source when the tail is split; ``path`` "transfer") or its prefix
-        recomputed there, then decoded to the end. Returns the key of the future that says
-        the move landed; ``tag`` marks the keys of a move landed again."""
-        load = self.load_of(part, part)
-        continued = task_key("continue", iteration, shard, j, tag=tag)
+    def _move(self, move: TailMove, path: str, sent, tag: str = "") -> str:
+        """Continue ``move.part`` of a cut tail on ``move.target``: its exported KV
+        (``sent``, cut to ``move.rows`` on the source when the tail is split; ``path``
+        "transfer") or its prefix recomputed there, then decoded to the end. Returns the key
+        of the future that says the move landed; ``tag`` marks the keys of a move landed
+        again."""
+        load = self.load_of(move.part, move.part)
+        gen = move.specs.gen
+        continued = move.key("continue", tag)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
-            self._submit(shard, target, load, self.tasks.continue_task, part, weights,
-                         specs.gen, seed, key=continued)
+            self._submit(move.shard, move.target, load, self.tasks.continue_task, move.part,
+                         move.weights, gen, move.seed, key=continued)
             return continued
-        client, at = self.pc.client, [self.pc.address_of(target)]
-        paused = task_key("moved", iteration, shard, j, tag=tag)  # the tail's name there
+        client, at = self.pc.client, [self.pc.address_of(move.target)]
+        paused = move.key("moved", tag)  # the tail's name there
         if path == "transfer":
-            tail = sent if rows == list(range(n_tail)) else client.submit(
-                take_tail_task, sent, rows, workers=[self.pc.address_of(source)],
-                allow_other_workers=True, pure=False, key=task_key("take", iteration, shard, j))
-            adopt = (adopt_tails_task, [tail], paused, weights, specs.gen)
+            tail = sent if move.rows == list(range(move.n_tail)) else client.submit(
+                take_tail_task, sent, move.rows, workers=[self.pc.address_of(move.source)],
+                allow_other_workers=True, pure=False, key=move.key("take"))
+            adopt = (adopt_tails_task, [tail], paused, move.weights, gen)
         else:
-            adopt = (adopt_tails_task, [], paused, weights, specs.gen, (), part, seed)
+            adopt = (adopt_tails_task, [], paused, move.weights, gen, (), move.part, move.seed)
         adopted = client.submit(*adopt, workers=at, resources={"GEN": 1},
                                 allow_other_workers=False, pure=False,
-                                key=task_key("adopt", iteration, shard, j, tag=tag))
+                                key=move.key("adopt", tag))
         self.ac.add(adopted)
-        self._submit(shard, target, load, resume_adopted_task, adopted, weights, specs.gen,
-                     key=continued)
+        self._submit(move.shard, move.target, load, resume_adopted_task, adopted, move.weights,
+                     gen, key=continued)
         if path == "transfer":  # how to land it again if its KV is lost
-            again = (shard, j, source, target, rows, part, n_tail, weights, specs, seed,
-                     iteration, adopted.key, continued)
-            self.lost[adopted.key] = self.lost[continued] = again
+            self.lost[adopted.key] = self.lost[continued] = move
         return adopted.key
 
     def _reland_lost(self, fut) -> bool:
@@ -347,14 +368,12 @@ class ElasticGeneration:
         move = self.lost.pop(fut.key)
         if move is None:  # its twin already landed the move again
             return True
-        (shard, j, source, target, rows, part, n_tail, weights, specs, seed, iteration,
-         adopted, continued) = move
+        adopted, continued = move.key("adopt"), move.key("continue")
         self.lost[continued if fut.key == adopted else adopted] = None
         self.where.pop(continued, None)
-        self.pending[shard].discard(continued)
+        self.pending[move.shard].discard(continued)
         record = self.moving.pop(adopted) | {"landed_by": "recompute"}
-        self.moving[self._move(shard, j, source, target, rows, part, "recompute", None,
-                               n_tail, weights, specs, seed, iteration, tag="relanded")] = record
+        self.moving[self._move(move, "recompute", None, tag="relanded")] = record
         return True
 
     def _landed(self, key: str, facts: dict, iteration: int) -> list[str]:

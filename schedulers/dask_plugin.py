@@ -28,7 +28,10 @@ departures (scheduler clock) with the worker's name and resources: the cost ledg
 controller, the async batches): units never split between workers, each with predicted
 response tokens, longest sequence and prompt tokens (``ElasticPolicy.predict_work``). The
 ``transition`` hook keeps the annotated tasks that are waiting, queued or processing; a
-task leaving for memory, erred, released or forgotten drops out. Once the driver has
+task leaving for memory, erred, released or forgotten drops out. Each pool's queue is kept
+as tasks come and go (``QueuedWork``: its units in arrival order, a count of tasks per set of
+pinned workers), never rescanned, so a transition costs the same however long the queue
+(but for an arrival's plan, which reads every queued unit). Once the driver has
 installed a pool's sizing rule (``install_sizing``: ``ElasticPolicy.sizing``, a snapshot of
 the policy), the pool's target follows that queue:
 
@@ -52,6 +55,7 @@ a target the driver sets (``set_pool_target``) overrides the rule's until the qu
 from __future__ import annotations
 
 import time
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +68,7 @@ if TYPE_CHECKING:
 PLUGIN_NAME = "rlhfless-elasticity"
 WORK = "generation_work"  # the annotation of a generation task's predicted work
 ACTIVE = frozenset({"waiting", "queued", "processing", "no-worker"})  # queued work's states
+UNIT_FIELDS = ("tokens", "longest", "prompt_tokens")  # a unit's predicted work (PoolSizing)
 SETTLE_S = 1.0  # a queue stays drained this long before the pool shrinks
 
 
@@ -83,6 +88,52 @@ def pool_of(worker_name: str) -> str:
     return str(worker_name).rsplit("-", 1)[0]
 
 
+class QueuedWork:
+    """One pool's queued generation tasks, updated in O(1) as each arrives or leaves: their
+    predicted work in arrival order, and how many are pinned to each set of workers (their
+    worker restrictions as they arrived: this project sets them at submission)."""
+
+    def __init__(self) -> None:
+        self.work: dict[Any, dict] = {}  # key -> predicted work, in arrival order
+        self.pinned_to: dict[Any, frozenset[str]] = {}  # key -> the workers it is pinned to
+        self.pin_counts: Counter[frozenset[str]] = Counter()  # pinned workers -> tasks
+        self._units: list[list[float]] | None = None  # units(), extended as work arrives
+
+    def add(self, key, work: dict, restrictions) -> None:
+        pins = frozenset(restrictions or ())
+        self.work[key], self.pinned_to[key] = work, pins
+        self.pin_counts[pins] += 1
+        if self._units is not None:
+            for column, field in zip(self._units, UNIT_FIELDS):
+                column.extend(work[field])
+
+    def remove(self, key) -> None:
+        del self.work[key]
+        pins = self.pinned_to.pop(key)
+        self.pin_counts[pins] -= 1
+        if not self.pin_counts[pins]:
+            del self.pin_counts[pins]
+        self._units = None  # rebuilt by the next plan, once however many left
+
+    def units(self) -> list[list[float]]:
+        """The queued units' predicted (tokens, longest, prompt_tokens) in arrival order:
+        ``PoolSizing.target``'s input (read only)."""
+        if self._units is None:
+            self._units = [[x for w in self.work.values() for x in w[field]]
+                           for field in UNIT_FIELDS]
+        return self._units
+
+    def capacity(self, members: set[str]) -> tuple[int, int]:
+        """(held, room) among the pool's worker addresses ``members``: the workers queued
+        tasks are pinned to, and those plus one per task pinned to none of them."""
+        held, free = set(), 0
+        for pins, tasks in self.pin_counts.items():
+            pinned = pins & members
+            held |= pinned
+            free += 0 if pinned else tasks
+        return len(held), len(held) + free
+
+
 class ElasticityPlugin(SchedulerPlugin):
     name = PLUGIN_NAME
 
@@ -91,7 +142,8 @@ class ElasticityPlugin(SchedulerPlugin):
         self.targets: dict[str, int] = {}  # pool -> workers the policy wants
         self.to_close: dict[str, list[str]] = {}  # pool -> workers the policy would close
         self._names: dict[str, str] = {}  # address -> worker name
-        self.work: dict[Any, dict] = {}  # key -> predicted work of a queued generation task
+        self.queues: defaultdict[str, QueuedWork] = defaultdict(QueuedWork)  # by pool
+        self.queued_in: dict[Any, str] = {}  # key of a queued generation task -> its pool
         self.sizing: dict[str, PoolSizing] = {}  # pool -> the rule that sizes it from its queue
         # pool -> a drained queue's decision (target, reason, since, key), not yet taken
         self.pending: dict[str, tuple[int, str, float, Any]] = {}
@@ -122,41 +174,36 @@ class ElasticityPlugin(SchedulerPlugin):
     def transition(self, key, start: str, finish: str, *args, stimulus_id=None,
                    **kwargs) -> None:
         if finish in ACTIVE:
-            if key in self.work:
+            if key in self.queued_in:
                 return
             ts = self.scheduler.tasks.get(key)
             work = (ts.annotations or {}).get(WORK) if ts is not None else None
             if work is not None:
-                self.work[key] = work
-                self._arrived(work["pool"], key)
-        elif key in self.work:
-            pool = self.work.pop(key)["pool"]
-            if not any(w["pool"] == pool for w in self.work.values()):
+                pool = self.queued_in[key] = work["pool"]
+                self.queues[pool].add(key, work, ts.worker_restrictions)
+                self._arrived(pool, key)
+        elif key in self.queued_in:
+            pool = self.queued_in.pop(key)
+            self.queues[pool].remove(key)
+            if not self.queues[pool].work:
                 self._drained(pool, key)
 
     def queued(self, pool: str) -> dict[Any, dict]:
         """The predicted work of ``pool``'s queued and running generation tasks, by key."""
-        return {key: w for key, w in self.work.items() if w["pool"] == pool}
+        queue = self.queues.get(pool)
+        return {} if queue is None else dict(queue.work)
 
     def _arrived(self, pool: str, key) -> None:
         sizing = self.sizing.get(pool)
         if sizing is None:
             return
         self.pending.pop(pool, None)
-        queued = self.queued(pool)
+        queue = self.queues[pool]
         members = {ws.address for ws in self._members(pool)}
-        held, free = set(), 0
-        for k in queued:
-            ts = self.scheduler.tasks.get(k)
-            pinned = (ts.worker_restrictions or set()) & members if ts is not None else set()
-            held |= pinned
-            free += not pinned
-        units = [[x for w in queued.values() for x in w[f]]
-                 for f in ("tokens", "longest", "prompt_tokens")]
-        n, why = sizing.target(*units, current=len(members), held=len(held),
-                               room=len(held) + free)
+        held, room = queue.capacity(members)
+        n, why = sizing.target(*queue.units(), current=len(members), held=held, room=room)
         if n > self.targets.get(pool, len(members)):
-            self._change(pool, n, why, key, len(queued))
+            self._change(pool, n, why, key, len(queue.work))
 
     def _drained(self, pool: str, key) -> None:
         sizing = self.sizing.get(pool)

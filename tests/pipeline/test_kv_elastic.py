@@ -155,13 +155,13 @@ class SourceDiesAfterExport(ElasticGeneration):
     """Kills the source of the first KV move once its export is done and before the
     target's adoption is submitted: the KV exists on the dead worker only."""
 
-    def _move(self, shard, j, source, target, rows, part, path, sent, *args, **kwargs):
+    def _move(self, move, path, sent, tag=""):
         if sent is not None and not getattr(self, "killed", None):
             wait(sent)
             assert sent.status == "finished"
-            self.killed = source
-            kill_worker(self.pc, self.pc.address_of(source))
-        return super()._move(shard, j, source, target, rows, part, path, sent, *args, **kwargs)
+            self.killed = move.source
+            kill_worker(self.pc, self.pc.address_of(move.source))
+        return super()._move(move, path, sent, tag)
 
 
 @pytest.mark.slow  # a worker killed and restarted: ~15 s

@@ -11,6 +11,7 @@ whose scheduler comm dispatches to those handlers. The real-LocalCluster tests a
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass, field
 
 import dask
@@ -18,7 +19,13 @@ import pytest
 
 from rlhfless.schedulers import dask_plugin
 from rlhfless.schedulers.dask_adaptive import PoolAdaptive
-from rlhfless.schedulers.dask_plugin import WORK, ElasticityPlugin, generation_work
+from rlhfless.schedulers.dask_plugin import (
+    ACTIVE,
+    WORK,
+    ElasticityPlugin,
+    generation_work,
+    pool_of,
+)
 from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
 from rlhfless.schedulers.throughput import ThroughputModel
 
@@ -288,3 +295,75 @@ def test_a_task_that_leaves_the_queue_drops_out(finish):
     assert list(plugin.queued("gen")) == ["generate-1-0"]
     _leave(s, plugin, "generate-1-0", finish)
     assert plugin.queued("gen") == {}
+
+
+def _recount(s: FakeScheduler, pool: str) -> tuple[list, list, tuple[int, int]]:
+    """From scratch, over every task in the scheduler: ``pool``'s queued generation tasks
+    (keys in arrival order), their units, and (held, room) among its current workers."""
+    members = {w.address for w in s.workers.values() if pool_of(w.name) == pool}
+    queued = [(key, ts) for key, ts in s.tasks.items()
+              if ts.state in ACTIVE and ts.annotations.get(WORK, {}).get("pool") == pool]
+    held, free = set(), 0
+    for _, ts in queued:
+        pinned = ts.worker_restrictions & members
+        held |= pinned
+        free += not pinned
+    units = [[x for _, ts in queued for x in ts.annotations[WORK][f]]
+             for f in ("tokens", "longest", "prompt_tokens")]
+    return [key for key, _ in queued], units, (len(held), len(held) + free)
+
+
+def test_the_queue_kept_incrementally_matches_a_recount_after_random_transitions():
+    """Arrivals (pinned to a member, to a worker gone, to two, or free), moves between active
+    states, departures of every kind, returns of tasks that left, workers joining and
+    leaving: after each, every pool's queue equals a recount of the scheduler's tasks."""
+    rng = random.Random(0)
+    s, plugin = _setup(["gen-0", "gen-1", "eval-0"])
+    plugin.sizing["gen"] = _sizing()  # the gen pool's arrivals are planned too
+    pools, returned, longest = ("gen", "eval"), 0, 0
+    for step in range(600):
+        active = [k for k, ts in s.tasks.items() if ts.state in ACTIVE]
+        gone = [k for k, ts in s.tasks.items() if ts.state not in ACTIVE]
+        roll = rng.random()
+        if roll < 0.35 or not active:  # a new task, generation work or not
+            key, pool = f"t-{step}", rng.choice(pools)
+            pins = rng.choice([set(), {f"tcp://{pool}-{rng.randrange(4)}"},
+                               {f"tcp://{pool}-0", f"tcp://{pool}-3"}])
+            groups = range(rng.randint(1, 3))
+            with generation_work([rng.uniform(1, 4000) for _ in groups],
+                                 [rng.uniform(1, 1000) for _ in groups],
+                                 [rng.uniform(1, 200) for _ in groups], pool=pool):
+                work = dask.get_annotations()[WORK]
+            s.tasks[key] = FakeTask("waiting", pins, {WORK: work} if rng.random() < 0.9 else {})
+            plugin.transition(key, "released", "waiting", stimulus_id="test")
+        elif roll < 0.5:  # queued, processing, ...: still queued work
+            key = rng.choice(active)
+            finish = rng.choice(sorted(ACTIVE - {s.tasks[key].state}))
+            plugin.transition(key, s.tasks[key].state, finish, stimulus_id="test")
+            s.tasks[key].state = finish
+        elif roll < 0.8:
+            key = rng.choice(active)
+            finish = rng.choice(["memory", "erred", "released", "forgotten"])
+            _leave(s, plugin, key, finish)
+        elif roll < 0.9 and gone:  # a task that left comes back (a retry, a lost result)
+            key = rng.choice(gone)
+            s.tasks[key] = s.tasks.pop(key)  # in arrival order again
+            s.tasks[key].state = "waiting"
+            plugin.transition(key, "released", "waiting", stimulus_id="test")
+            returned += 1
+        else:  # a worker joins or leaves (a task pinned to it becomes free, or pinned)
+            name = f"{rng.choice(pools)}-{rng.randrange(4)}"
+            if s.workers.pop(f"tcp://{name}", None) is None:
+                s.workers[f"tcp://{name}"] = FakeWorker(name)
+        for pool in pools:
+            keys, units, capacity = _recount(s, pool)
+            queue = plugin.queues.get(pool, dask_plugin.QueuedWork())
+            members = {w.address for w in s.workers.values() if pool_of(w.name) == pool}
+            assert list(queue.work) == keys, step
+            assert queue.units() == units, step
+            assert queue.capacity(members) == capacity, step
+            assert sum(queue.pin_counts.values()) == len(keys), step
+            longest = max(longest, len(keys))
+        for change in plugin.drain_changes():  # an arrival's plan saw the whole queue
+            assert change["queued_tasks"] == len(_recount(s, "gen")[0]), step
+    assert returned > 20 and longest > 20  # the sequence went somewhere
