@@ -1,5 +1,6 @@
 """The generation tail on a real LocalCluster: static vs recompute-migration vs KV-migration
-vs PAT reconfiguration, on the long-tail setting of the embedded task.
+vs split (the heaviest tail shed to the lightest worker) vs PAT reconfiguration, on the
+long-tail setting of the embedded task.
 
 For each model size (``--models``: the embedded ``tiny`` model and bench-size variants of it,
 ``ops/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
@@ -18,12 +19,13 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
 With them, per model, the bounds: ``reconfig_bound`` (what consolidating even tails gains
 per step by the profile's measured points, against the margin it must clear; the tail
 batches whose consolidated batch lies beyond the largest measured one are listed) and
-``latency_bound`` (the static run's decode by the fitted step model, and the best latency
-any move or reconfiguration could give: ``tail_cost.latency_bound``).
+``latency_bound`` (the static run's decode by the measured step times, and the best
+latency a perfect rebalancing or the longest response alone could give:
+``tail_cost.latency_bound``).
 
 ``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
 ``tiny`` the one where it does not. Prints one JSON line.
-``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6]``
+``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6] [--modes static,...]``
 """
 
 from __future__ import annotations
