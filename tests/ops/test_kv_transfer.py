@@ -38,6 +38,12 @@ def shard(make_prompts):
     return plan.prompts
 
 
+def _uninterrupted(model, tokenizer, shard, params):
+    return decode(model, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
+                  tokenizer.eos_token_id, tokenizer.pad_token_id,
+                  shard.column("prefix_len").to_pylist())
+
+
 def _paused(model, tokenizer, shard, params, until: float):
     ids = shard.column("prompt_ids").to_pylist()
     dec = prefill_prompts(model, ids, N_SAMPLES, params, tokenizer.pad_token_id,
@@ -48,9 +54,7 @@ def _paused(model, tokenizer, shard, params, until: float):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuation_after_transfer_equals_uninterrupted(eos64, tokenizer, shard, greedy):
     params = SamplingParams(max_new_tokens=40, temperature=0.8, greedy=greedy, seed=3)
-    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                   tokenizer.eos_token_id, tokenizer.pad_token_id,
-                   shard.column("prefix_len").to_pylist())
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     tail = dec.live.tolist()
     assert 0 < len(tail) < len(whole)  # a real pause: some finished, some not
@@ -89,9 +93,7 @@ def test_a_tail_split_over_two_targets_decodes_as_before_under_greedy(eos64, tok
                                                                         shard):
     """A tail spread over several workers: each part (``take_tail``) continues alone."""
     params = SamplingParams(max_new_tokens=40, greedy=True)
-    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                   tokenizer.eos_token_id, tokenizer.pad_token_id,
-                   shard.column("prefix_len").to_pylist())
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     live = dec.live.tolist()
     assert len(live) >= 2
@@ -114,9 +116,7 @@ def test_a_tail_shed_in_part_decodes_as_before_on_both_sides(eos64, tokenizer, s
     """``split_tail``: the shed sequences continue elsewhere, the others where they were
     (the same paused batch, narrowed); both equal uninterrupted decoding (sampled)."""
     params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5)
-    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                   tokenizer.eos_token_id, tokenizer.pad_token_id,
-                   shard.column("prefix_len").to_pylist())
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     live = dec.live.tolist()
     assert len(live) >= 3
