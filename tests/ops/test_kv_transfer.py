@@ -74,9 +74,7 @@ def test_two_tails_merged_decode_as_before_under_greedy(eos64, tokenizer, shard)
     halves = [shard.slice(0, 2), shard.slice(2)]
     expected, tails = [], []
     for half in halves:
-        expected += decode(eos64, half.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                           tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           half.column("prefix_len").to_pylist())
+        expected += _uninterrupted(eos64, tokenizer, half, params)
         dec = _paused(eos64, tokenizer, half, params, until=0.2)
         offset = len(expected) - len(half) * N_SAMPLES
         rows = half.take([i // N_SAMPLES for i in range(len(half) * N_SAMPLES)])
