@@ -1,5 +1,6 @@
 """The generation tail on a real LocalCluster: static vs recompute-migration vs KV-migration
-vs PAT reconfiguration, on the long-tail setting of the embedded task.
+vs split (the heaviest tail shed to the lightest worker) vs PAT reconfiguration, on the
+long-tail setting of the embedded task.
 
 For each model size (``--models``: the embedded ``tiny`` model and bench-size variants of it,
 ``ops/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
@@ -18,12 +19,13 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
 With them, per model, the bounds: ``reconfig_bound`` (what consolidating even tails gains
 per step by the profile's measured points, against the margin it must clear; the tail
 batches whose consolidated batch lies beyond the largest measured one are listed) and
-``latency_bound`` (the static run's decode by the fitted step model, and the best latency
-any move or reconfiguration could give: ``tail_cost.latency_bound``).
+``latency_bound`` (the static run's decode by the measured step times, and the best
+latency a perfect rebalancing or the longest response alone could give:
+``tail_cost.latency_bound``).
 
 ``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
 ``tiny`` the one where it does not. Prints one JSON line.
-``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6]``
+``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6] [--modes static,...]``
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
         # prime the cost models with two moves of this run (as a live run's first tails)
         out["audit_warmup"] = audit(pc, names, prompts, spec, weights, models, 2)
         predict_len = None
-        for mode in MODES:
+        for mode in args.modes:
             names = warm(pc, spec, weights, prompts.slice(0, 1))
             res = run_tail(pc, names, shards, spec, weights, mode, args.tau, models,
                            predict_len or (lambda n: float(args.max_new_tokens)), mode)
@@ -193,14 +195,15 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
                          "decision": res["decision"]}
         names = warm(pc, spec, weights, prompts.slice(0, 1))
         checks = audit(pc, names, prompts, spec, weights, models, args.audit)
-    static = out["static"]
-    for mode in MODES[1:]:
+    static, others = out["static"], [m for m in args.modes if m != "static"]
+    for mode in others:
         for key in ("generation_s", "worker_s", "core_s"):
             out[mode][f"{key}_vs_static"] = round(out[mode][key] / static[key], 3)
     out["latency_bound"]["measured_vs_static"] = {
-        mode: out[mode]["generation_s_vs_static"] for mode in MODES[1:]}
-    out["reconfig_fired"] = bool(out["reconfig"]["decision"].get("reconfig", {}).get("fire"))
-    moves = [m for mode in MODES for m in out[mode]["decision"].get("moves", [])]
+        mode: out[mode]["generation_s_vs_static"] for mode in others}
+    out["fired"] = {mode: bool(out[mode]["decision"].get(mode, {}).get("fire"))
+                    for mode in ("split", "reconfig") if mode in out}
+    moves = [m for mode in args.modes for m in out[mode]["decision"].get("moves", [])]
     out["moves"] = len(moves)
     out["choice_audit"] = {"moves": len(checks), "right": sum(c["right"] for c in checks),
                            "log": checks}
@@ -215,7 +218,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tau", type=float, default=0.6)
     ap.add_argument("--audit", type=int, default=6)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="tail modes to run, static first (the baseline the others are set against)")
     args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    if args.modes[0] != "static" or set(args.modes) - set(MODES):
+        ap.error(f"--modes: {','.join(args.modes)}; allowed: static first, then any of "
+                 f"{', '.join(MODES[1:])}")
     unknown = set(args.models.split(",")) - {"tiny", *BENCH_SIZES}
     if unknown:
         ap.error(f"--models: {', '.join(sorted(unknown))}; allowed: tiny, {', '.join(BENCH_SIZES)}")

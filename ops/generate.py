@@ -139,6 +139,13 @@ class Decoding:
     def results(self) -> list[tuple[list[int], list[float], str]]:
         return list(zip(self.tokens, self.logprobs, self.reasons))
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Narrow the batch to its rows ``keep`` (positions in ``live``): the others leave
+        it and the KV cache."""
+        self.cache.batch_select_indices(keep)
+        self.live, self.mask, self.next_pos = self.live[keep], self.mask[keep], self.next_pos[keep]
+        self.budget, self.logits = self.budget[keep], self.logits[keep]
+
 
 def _check_context(model, longest: int) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -255,9 +262,11 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
 @torch.inference_mode()
 def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
                  stats: GenerationStats | None = None, until_finished: float = 1.0,
-                 on_leave: Callable[[Decoding, torch.Tensor], None] | None = None) -> Decoding:
+                 on_leave: Callable[[Decoding, torch.Tensor], None] | None = None,
+                 pause: Callable[[], bool] | None = None) -> Decoding:
     """Decode until every sequence is done, or until the finished fraction reaches
-    ``until_finished`` (then ``dec`` holds the rest, ready to resume). A sequence that
+    ``until_finished`` or ``pause()`` says so after a step (then ``dec`` holds the rest,
+    ready to resume). A sequence that
     emits EOS or spends its budget leaves the batch and the KV cache at once; just before,
     ``on_leave(dec, rows)`` sees the batch rows that leave, their cache still in place
     (without their last sampled token, which never ran through the model)."""
@@ -283,15 +292,14 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
             if len(keep) == 0:
                 dec.live = keep
                 break
-            dec.cache.batch_select_indices(keep)
-            dec.live, dec.mask, dec.next_pos = dec.live[keep], dec.mask[keep], dec.next_pos[keep]
-            dec.budget, tokens = dec.budget[keep], tokens[keep]
+            dec.keep_rows(keep)
+            tokens = tokens[keep]
         dec.mask = torch.cat([dec.mask, torch.ones_like(dec.mask[:, :1])], dim=-1)
         out = forward_with_cache(model, dec.cache, input_ids=tokens[:, None],
                                  attention_mask=dec.mask, position_ids=dec.next_pos[:, None])
         dec.next_pos = dec.next_pos + 1
         dec.logits = out.logits[:, -1]
-        if dec.finished_fraction >= until_finished:
+        if dec.finished_fraction >= until_finished or (pause is not None and pause()):
             break
     stats.decode_seconds += time.perf_counter() - started
     return dec

@@ -16,8 +16,9 @@ are a function of its key and its position (``seeds.py``), whatever batch it con
 ``recompute_tail`` is the other way to the same ``TailKV``: the receiving worker prefills
 the sequences' prompt + tokens so far (the cut rows' ``partial_ids``) itself, so either
 path ends in one batch with the tails already there; tails merged from several sources
-(``import_tail`` of several) or split over several targets (``take_tail``) continue as they
-would have where they were.
+(``import_tail`` of several) or split over several targets (``take_tail``), or shed in part
+by a worker that keeps the rest (``split_tail``), continue as they would have where they
+were.
 """
 
 from __future__ import annotations
@@ -87,20 +88,35 @@ def kv_bytes_per_token(model_path: str, element_size: int = 4) -> float:
     return float(2 * cfg.num_hidden_layers * kv_heads * head_dim * element_size)
 
 
-def export_tail(dec: Decoding, rows: pa.Table, start: float) -> TailKV:
-    """The live rows of a paused ``dec`` (``rows``: one per sequence of the decoding) as a
-    ``TailKV`` on the CPU."""
+def export_tail(dec: Decoding, rows: pa.Table, start: float,
+                positions: list[int] | None = None) -> TailKV:
+    """The live rows of a paused ``dec`` (``rows``: one per sequence of the decoding), or
+    those at ``positions`` of its batch, as a ``TailKV`` on the CPU."""
     began = time.perf_counter()
-    live = dec.live.tolist()
+    at = list(range(len(dec.live))) if positions is None else positions
+    live = dec.live[at].tolist()
+    index = torch.tensor(at, dtype=torch.long, device=dec.live.device)
     cpu = torch.device("cpu")
-    kv = [[(k.to(cpu), v.to(cpu)) for k, v in row_kv(dec.cache, dec.mask, r)]
-          for r in range(len(live))]
+    kv = [[(k.to(cpu), v.to(cpu)) for k, v in row_kv(dec.cache, dec.mask, r)] for r in at]
     return TailKV(
-        rows=rows.take(pa.array(live, pa.int64())), kv=kv, logits=dec.logits.to(cpu).clone(),
-        next_pos=dec.next_pos.to(cpu).clone(), budget=dec.budget.to(cpu).clone(),
+        rows=rows.take(pa.array(live, pa.int64())), kv=kv, logits=dec.logits[index].to(cpu),
+        next_pos=dec.next_pos[index].to(cpu), budget=dec.budget[index].to(cpu),
         tokens=[list(dec.tokens[s]) for s in live], logprobs=[list(dec.logprobs[s]) for s in live],
         keys=dec.keys[live], start=start, exported_at=time.time(),
         export_s=time.perf_counter() - began)
+
+
+def split_tail(dec: Decoding, rows: pa.Table, start: float, positions: list[int]) -> TailKV:
+    """The sequences at ``positions`` of a paused ``dec``'s batch as a ``TailKV``; ``dec``
+    keeps the others, paused where they are (a tail shed to another worker)."""
+    if not positions or len(set(positions)) < len(positions) \
+            or min(positions) < 0 or max(positions) >= len(dec.live):
+        raise ValueError(f"split_tail: positions {positions} of a batch of {len(dec.live)}")
+    tail = export_tail(dec, rows, start, positions)
+    moved = set(positions)
+    dec.keep_rows(torch.tensor([p for p in range(len(dec.live)) if p not in moved],
+                               dtype=torch.long, device=dec.live.device))
+    return tail
 
 
 def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:

@@ -134,11 +134,30 @@ def _finished_and_cut(dec: Decoding, rows: pa.Table, engine: HFBackend, start: f
     return {"done": _generated(table, stats, cold), "cut": cut}
 
 
+class PauseFlag:
+    """``run_decoding``'s ``pause``: true once the Dask ``Event`` named ``name`` is set (by
+    the driver, when another worker ran out of work); the scheduler is asked at most every
+    ``every_s`` seconds, so a fast decode step does not wait on it each time."""
+
+    def __init__(self, name: str, every_s: float = 0.02) -> None:
+        from distributed import Event
+
+        self.event, self.every_s, self.asked = Event(name), every_s, 0.0
+
+    def __call__(self) -> bool:
+        now = time.perf_counter()
+        if now - self.asked < self.every_s:
+            return False
+        self.asked = now
+        return self.event.is_set()
+
+
 def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int,
-                        until_finished: float, key: str) -> dict:
-    """Generate a shard until ``until_finished`` of its sequences are done; the rest stay
-    paused on this worker under ``key`` (KV cache and all) until ``resume_task`` or
-    ``drop_task``. Returns ``{"done": rollouts, "cut": unfinished rows}``."""
+                        until_finished: float, key: str, pause_event: str | None = None) -> dict:
+    """Generate a shard until ``until_finished`` of its sequences are done, or until the
+    Dask event ``pause_event`` is set; the rest stay paused on this worker under ``key`` (KV
+    cache and all) until ``resume_task`` or ``drop_task``. Returns ``{"done": rollouts,
+    "cut": unfinished rows}``."""
     engine, cold = hf_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
@@ -150,7 +169,8 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     dec = prefill_prompts(engine.model, shard.column("prompt_ids").to_pylist(), spec.n_samples,
                           params, tok.pad_token_id, prefix_lens_of(shard, spec.share_prefixes),
                           stats, row_keys(seed, rows))
-    run_decoding(engine.model, dec, params, tok.eos_token_id, stats, until_finished)
+    run_decoding(engine.model, dec, params, tok.eos_token_id, stats, until_finished,
+                 pause=None if pause_event is None else PauseFlag(pause_event))
     out = _finished_and_cut(dec, rows, engine, start, stats, cold)
     if len(dec.live):
         PAUSED[key] = (dec, rows, start)

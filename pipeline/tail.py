@@ -9,6 +9,10 @@
   recomputed there (RLHFless cut-and-migrate as the runtime did it), the others released;
 - ``kv``: as ``recompute``, each move's context sent as KV or recomputed, whichever
   ``tail_cost.choose_kv_path`` predicts faster from this run's own timings;
+- ``split``: each shard runs until ``tau`` or until the first worker reaches it (a Dask
+  event pauses the others); ``tail_split.plan_split`` then sheds sequences from the worker
+  predicted to finish last to those predicted to finish first (KV or recompute by cost),
+  and every worker decodes what it holds: the pool finishes together, none is released;
 - ``reconfig``: PAT on CPU. At ``tau`` ``tail_cost.plan_reconfig`` compares finishing in
   place with one worker decoding every tail with all the pool's threads (from the decode
   step profile measured at start), the move's cost included; if it pays, the tails are
@@ -27,11 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
-from distributed import wait
+from distributed import Event, as_completed, wait
 
 from rlhfless.ops.gen_stats import Generated
 from rlhfless.ops.publish import WeightsRef
-from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, plan_reconfig
+from rlhfless.schedulers.tail_cost import KvChoice, KvCosts, StepProfile, plan_reconfig
+from rlhfless.schedulers.tail_split import plan_split
 
 from .cluster import PoolCluster
 from .rollout_tasks import GenSpec, generate_chunk_task, resume_task
@@ -42,10 +47,11 @@ from .tail_tasks import (
     move_actual_s,
     profile_steps_task,
     set_threads_task,
+    split_tail_task,
 )
 from .task_keys import task_key
 
-MODES = ("static", "recompute", "kv", "reconfig")
+MODES = ("static", "recompute", "kv", "split", "reconfig")
 SEED = 11  # the run seed of every draw of a tail bench batch
 
 
@@ -95,22 +101,31 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     threads = dict.fromkeys(names, pc.pools["gen"].threads)
     widened: dict[str, float] = {}  # worker -> when its threads were raised
     until = 1.0 if mode == "static" else tau
+    pause = f"{tag}-pause" if mode == "split" else None
     chunks = {n: c.submit(generate_chunk_task, s, weights, spec, SEED, until, f"{tag}-{n}",
-                          workers=[addr[n]], pure=False, key=task_key("chunk", 0, i, tag=tag))
+                          pause, workers=[addr[n]], pure=False,
+                          key=task_key("chunk", 0, i, tag=tag))
               for i, (n, s) in enumerate(zip(names, shards))}
+    if pause is not None:  # the first worker at tau pauses the others where they are
+        next(as_completed(list(chunks.values())))
+        Event(pause, client=c).set()
     wait(list(chunks.values()))
+    paused_s = time.time() - started
+    if pause is not None:
+        Event(pause, client=c).clear()
     outs = {n: f.result() for n, f in chunks.items()}
     done = [o["done"] for o in outs.values()]
     cuts = {n: o["cut"] for n, o in outs.items() if len(o["cut"])}
-    decision: dict = {"mode": mode, "tails": {n: len(t) for n, t in cuts.items()}}
-    released = [n for n in names if n not in cuts] if mode != "static" else []
+    decision: dict = {"mode": mode, "tails": {n: len(t) for n, t in cuts.items()},
+                      "paused_s": paused_s}
+    released = [n for n in names if n not in cuts] if mode not in ("static", "split") else []
     target, moved = None, []
-    if len(cuts) >= 2 and mode != "static":
+    if mode == "split":
+        rest = _split(pc, addr, threads, cuts, weights, spec, tag, models, predict_len, decision)
+    elif len(cuts) >= 2 and mode != "static":
         overhead, choices = _move_costs(cuts, models, mode)
         if mode == "reconfig":
-            rem = {n: [max(1.0, predict_len(len(p)) - len(g)) for p, g in zip(
-                cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist())]
-                for n, cut in cuts.items()}
+            rem = {n: _remaining(cut, predict_len) for n, cut in cuts.items()}
             plan = plan_reconfig(rem, threads, models.profile, overhead)
             decision["reconfig"] = plan.to_record()
             if plan.fire:
@@ -128,9 +143,10 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
                 threads[target] = plan.threads
                 decision["threads"] = {"before": before, "after": plan.threads}
             released += moved
-    keys = {target: f"{tag}-merged"} if target else {n: f"{tag}-{n}" for n in cuts}
-    rest = [c.submit(resume_task, k, weights, spec, workers=[addr[n]], pure=False)
-            for n, k in keys.items()]
+    if mode != "split":
+        keys = {target: f"{tag}-merged"} if target else {n: f"{tag}-{n}" for n in cuts}
+        rest = [c.submit(resume_task, k, weights, spec, workers=[addr[n]], pure=False)
+                for n, k in keys.items()]
     if released:  # while the tail decodes: nothing of theirs is needed any more
         pc.retire(released)
     done += [f.result() for f in rest]
@@ -145,17 +161,71 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     extra_core_s = sum((threads[n] - pc.pools["gen"].threads) * (ended - t)
                        for n, t in widened.items())
     table = Generated.concat(done).table
+    ends: dict[str, float] = {}  # per worker, its last rollout's end
+    for w, e in zip(table.column("worker").to_pylist(), table.column("gen_end").to_pylist()):
+        ends[w] = max(ends.get(w, e), e)
+    decision["finish_s"] = {w: e - started for w, e in sorted(ends.items())}
     return {"rollouts": table, "generation_s": ended - started, "worker_s": worker_s,
             "core_s": worker_s * pc.pools["gen"].threads + extra_core_s,
             "released": released, "decision": decision}
 
 
+def _remaining(cut: pa.Table, predict_len: Callable[[int], float]) -> list[float]:
+    """Predicted tokens each cut sequence has still to decode (at least one)."""
+    return [max(1.0, predict_len(len(p)) - len(g)) for p, g in zip(
+        cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist())]
+
+
+def _context(cut: pa.Table) -> list[int]:
+    """Context tokens of each cut sequence (prompt + generated so far): what would travel
+    as KV, or be prefilled again."""
+    return [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(),
+                                            cut.column("partial_ids").to_pylist())]
+
+
+def _split(pc: PoolCluster, addr: dict, threads: dict[str, int], cuts: dict[str, pa.Table],
+           weights: WeightsRef, spec: GenSpec, tag: str, models: TailModels,
+           predict_len: Callable[[int], float], decision: dict) -> list:
+    """``split`` mode after the pause: plan the sheds (``plan_split``), cut them off their
+    sources (who resume the rest at once), land each target's tails on it (KV or
+    recomputed, by cost) with its own, and resume every worker's batch; returns the
+    resumptions' futures."""
+    c = pc.client
+    plan = plan_split({n: _remaining(t, predict_len) for n, t in cuts.items()},
+                      {n: _context(t) for n, t in cuts.items()}, threads, models.profile,
+                      lambda tokens: models.kv.choose(tokens).predicted_s)
+    decision["split"] = plan.to_record()
+
+    def resume(worker: str, key: str):
+        return c.submit(resume_task, key, weights, spec, workers=[addr[worker]], pure=False)
+
+    sends = {m: c.submit(split_tail_task, f"{tag}-{m.source}", list(m.positions),
+                         workers=[addr[m.source]], allow_other_workers=True, pure=False)
+             for m in plan.moves}
+    wait(list(sends.values()))
+    emptied = {m.source for m, f in sends.items()
+               if f.status == "finished" and len(m.positions) == len(cuts[m.source])}
+    targets = {m.target for m in plan.moves}
+    rest = [resume(n, f"{tag}-{n}") for n in cuts if n not in targets | emptied]
+    for dst in targets:
+        into = [m for m in plan.moves if m.target == dst]
+        kinds = {m.source: (models.kv.choose(m.context_tokens), m.context_tokens,
+                            len(m.positions)) for m in into}
+        moved = {m.source: cuts[m.source].take(list(m.positions)) for m in into}
+        facts, lost = land_tails(
+            c, addr[dst], {m.source: sends[m] for m in into
+                           if kinds[m.source][0].path == "transfer"},
+            moved, [s for s, k in kinds.items() if k[0].path == "recompute"],
+            f"{tag}-{dst}-in", (f"{tag}-{dst}",) if dst in cuts else (), weights, spec, SEED)
+        _learn_moves(models, decision, dst, kinds, facts, lost)
+        rest.append(resume(dst, f"{tag}-{dst}-in"))
+    return rest
+
+
 def _move_costs(cuts: dict[str, pa.Table], models: TailModels, mode: str):
     """Per candidate target: the predicted seconds to bring every other tail to it, and
     the path of each of those moves (forced to recompute in ``recompute`` mode)."""
-    ctx = {n: sum(len(p) + len(g) for p, g in zip(t.column("prompt_ids").to_pylist(),
-                                                  t.column("partial_ids").to_pylist()))
-           for n, t in cuts.items()}
+    ctx = {n: sum(_context(t)) for n, t in cuts.items()}
     choices = {}
     for n in cuts:
         choices[n] = {}
@@ -183,14 +253,24 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
     facts, lost = land_tails(c, addr[target], sends, cuts, redo, f"{tag}-merged",
                              (f"{tag}-{target}",), weights, spec, SEED)
     del sends
-    for s in sources:  # one adopt carries every move: its actual time is split by path
-        kind, ctx = choices[s]
-        path = "recompute" if s in lost else kind.path  # lost KV: recomputed from the cut
+    _learn_moves(models, decision, target,
+                 {s: (*choices[s], len(cuts[s])) for s in sources}, facts, lost)
+
+
+def _learn_moves(models: TailModels, decision: dict, target: str,
+                 moves: dict[str, tuple[KvChoice, int, int]], facts: dict,
+                 lost: list[str]) -> None:
+    """Each move into ``target`` (source -> its path choice, context tokens, sequences)
+    logged with its predicted and actual seconds, the actual fed back into the cost models.
+    One adoption carries every move: its actual time is split by path; a source whose KV
+    was lost landed by recomputation from its cut rows."""
+    for s, (kind, ctx, n) in moves.items():
+        path = "recompute" if s in lost else kind.path
         actual = move_actual_s(path, facts)
         tokens = facts["context_tokens" if path == "transfer" else "recompute_tokens"]
         models.kv.observe(path, tokens, facts["bytes"], actual)
         record = {"t": time.time(), "kind": "move", "source": s, "target": target,
-                  "sequences": len(cuts[s]), "context_tokens": ctx, "path": kind.path,
+                  "sequences": n, "context_tokens": ctx, "path": kind.path,
                   "landed_by": path, "predicted_transfer_s": kind.transfer_s,
                   "predicted_recompute_s": kind.recompute_s,
                   "predicted_s": kind.predicted_s, "actual_s": actual}

@@ -13,7 +13,8 @@ worker under a key. To continue them elsewhere *with* their KV cache:
    that never moved.
 
 A tail split over several targets is cut on the source first (``take_tail_task``: each
-target fetches only its part); ``adopt_tails_task`` can instead recompute cut rows' context
+target fetches only its part); a worker that sheds part of its tail and decodes the rest
+itself cuts it in place (``split_tail_task``); ``adopt_tails_task`` can instead recompute cut rows' context
 on the target (``recompute``), so both paths of a move end in one paused decoding there,
 which ``resume_adopted_task`` finishes once the adoption is done. ``move_actual_s`` reads a
 move's actual seconds off the adoption's facts (what ``tail_cost.KvCosts`` learns from).
@@ -33,7 +34,14 @@ import torch
 
 from rlhfless.ops.gen_stats import Generated, GenerationStats
 from rlhfless.ops.generate import SamplingParams, prefill_prompts, run_decoding
-from rlhfless.ops.kv_transfer import TailKV, export_tail, import_tail, recompute_tail, take_tail
+from rlhfless.ops.kv_transfer import (
+    TailKV,
+    export_tail,
+    import_tail,
+    recompute_tail,
+    split_tail,
+    take_tail,
+)
 from rlhfless.ops.publish import WeightsRef, require_version
 
 from .engines import worker_name
@@ -52,6 +60,18 @@ def _take_paused(key: str) -> TailKV:
                        "(never paused here, already moved, or the worker restarted)")
     dec, rows, start = entry
     return export_tail(dec, rows, start)
+
+
+def split_tail_task(key: str, positions: list[int]) -> TailKV:
+    """On the source worker: the sequences at ``positions`` of the paused decoding ``key``
+    as a ``TailKV``; the others stay paused under ``key`` (all moved: ``key`` is gone)."""
+    entry = PAUSED.get(key)
+    if entry is None:
+        return _take_paused(key)  # raises TailLost
+    dec, rows, start = entry
+    if len(positions) == len(dec.live):
+        return _take_paused(key)
+    return split_tail(dec, rows, start, positions)
 
 
 def export_tail_task(key: str) -> TailKV:

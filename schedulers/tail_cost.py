@@ -149,9 +149,7 @@ class StepProfile:
     (batch, threads). A step's seconds at a batch is the samples' median at a measured batch,
     linear between the two measured batches around it, and past the largest measured batch
     continues the last measured segment's slope (never falling; ``largest_batch`` says where
-    that begins, so a caller can say it extrapolated). ``fit`` (least squares
-    ``a_t + c_t * b`` over the medians per thread count) serves only ``latency_bound``'s
-    closed form. ``noise`` is the largest relative half-range of a point's samples: how far
+    that begins, so a caller can say it extrapolated). ``noise`` is the largest relative half-range of a point's samples: how far
     this measurement could be off, the margin a decision taken from it must clear."""
 
     def __init__(self, measured: Mapping[tuple[int, int], Sequence[float]]) -> None:
@@ -164,12 +162,8 @@ class StepProfile:
         if any(len({b for b, _ in v}) < 2 for v in by_threads.values()):
             raise ValueError("StepProfile: measure at least two batch sizes per thread count")
         self.points: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.fit: dict[int, tuple[float, float]] = {}
         for threads, points in by_threads.items():
-            b, s = np.array(sorted(points), dtype=np.float64).T
-            self.points[threads] = (b, s)
-            c, a = np.polyfit(b, s, 1)
-            self.fit[threads] = (max(float(a), 0.0), max(float(c), 0.0))
+            self.points[threads] = tuple(np.array(sorted(points), dtype=np.float64).T)
         self.noise = max((max(v) - min(v)) / (2 * float(np.median(v)))
                          for v in self.measured.values())
 
@@ -188,15 +182,18 @@ class StepProfile:
         slope = max(0.0, float((s[-1] - s[-2]) / (b[-1] - b[-2])))
         return np.where(x > b[-1], s[-1] + slope * (x - b[-1]), np.interp(x, b, s))
 
-    def decode_seconds(self, remaining: Sequence[float], threads: int) -> float:
+    def decode_seconds(self, remaining: Sequence[float], threads: int, workers: int = 1
+                       ) -> float:
         """Seconds to decode sequences with ``remaining`` tokens left, all in one batch: the
         ``k`` longest are live for ``r_(k) - r_(k+1)`` steps (``r`` descending), each at the
-        step time of batch ``k``."""
+        step time of batch ``k``; or spread evenly over ``workers`` stepping together (batch
+        ``ceil(k / workers)`` on each)."""
         rem = np.sort(np.asarray(remaining, dtype=np.float64))[::-1]
         if rem.size == 0:
             return 0.0
         steps = rem - np.append(rem[1:], 0.0)
-        return float(steps @ self.step_seconds(np.arange(1, rem.size + 1), threads))
+        batch = np.ceil(np.arange(1, rem.size + 1) / workers)
+        return float(steps @ self.step_seconds(batch, threads))
 
     def speedup(self, batch: int, threads: int, base: int = 1) -> float:
         return float(self.step_seconds(batch, base) / self.step_seconds(batch, threads))
@@ -209,8 +206,7 @@ class StepProfile:
         return float(self.step_seconds(batch, 1) / self.step_seconds(workers * batch, workers))
 
     def to_record(self) -> dict:
-        return {"fit": {str(t): list(ac) for t, ac in self.fit.items()},
-                "noise": self.noise,
+        return {"noise": self.noise,
                 "median_s": {f"{b}x{t}": float(np.median(v))
                              for (b, t), v in self.measured.items()},
                 "samples": len(next(iter(self.measured.values())))}
@@ -272,24 +268,22 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
 
 
 def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) -> dict:
-    """The decode seconds of a batch statically and at best, from the step model.
+    """The decode seconds of a batch statically and at best, from the measured step times.
     ``lengths``: per worker (one thread each), the response tokens of its sequences.
-    Statically each worker decodes in ``a_1 max + c_1 sum`` and the slowest sets the
-    latency. No move or reconfiguration decodes the longest response faster than alone at
-    its best thread count (``chain_s``: ``min_t (a_t + c_t) L_max``), nor the pool's work
-    faster than spread evenly over its ``W`` cores: at least ``L_max`` steps and every token,
-    a step on ``t`` threads taking ``t`` cores (``work_s``: ``min_t t (a_t L_max + c_t sum) /
-    W``); ``bound_s`` is the larger of the two."""
+    Statically each worker decodes its own (``decode_seconds``) and the slowest sets the
+    latency. ``balanced_s``: every step's live sequences spread evenly over the ``W``
+    workers (``decode_seconds(..., workers=W)``), what a perfect, free rebalancing after
+    every step decodes in: with step times that never fall as the batch grows, no placement
+    of a step's sequences has a cheaper slowest worker. No reconfiguration decodes the
+    longest response faster than alone at its best thread count (``chain_s``); ``bound_s``
+    is the larger of the two."""
     lens = {w: np.asarray(v, dtype=np.float64) for w, v in lengths.items() if len(v)}
     if not lens:
         raise ValueError("latency_bound: no sequences")
-    a1, c1 = profile.fit[1]
-    static_s = max(a1 * v.max() + c1 * v.sum() for v in lens.values())
-    longest = max(v.max() for v in lens.values())
-    total = sum(v.sum() for v in lens.values())
-    chain_s = min((a + c) * longest for a, c in profile.fit.values())
-    work_s = min(t * (a * longest + c * total) / len(lengths)
-                 for t, (a, c) in profile.fit.items())
-    return {"static_s": float(static_s), "chain_s": float(chain_s), "work_s": float(work_s),
-            "bound_s": float(max(chain_s, work_s)), "longest": int(longest),
-            "tokens": int(total)}
+    every = np.concatenate(list(lens.values()))
+    static_s = max(profile.decode_seconds(v, 1) for v in lens.values())
+    balanced_s = profile.decode_seconds(every, 1, workers=len(lengths))
+    chain_s = every.max() * min(float(profile.step_seconds(1, t)) for t in profile.threads)
+    return {"static_s": float(static_s), "balanced_s": float(balanced_s),
+            "chain_s": float(chain_s), "bound_s": float(max(chain_s, balanced_s)),
+            "longest": int(every.max()), "tokens": int(every.sum())}

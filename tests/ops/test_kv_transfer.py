@@ -17,7 +17,13 @@ from rlhfless.ops.generate import (
     prefill_prompts,
     run_decoding,
 )
-from rlhfless.ops.kv_transfer import export_tail, import_tail, recompute_tail, take_tail
+from rlhfless.ops.kv_transfer import (
+    export_tail,
+    import_tail,
+    recompute_tail,
+    split_tail,
+    take_tail,
+)
 from rlhfless.ops.prefix_dedup import plan_prefixes
 from rlhfless.ops.tinytask import make_prompt
 
@@ -32,6 +38,12 @@ def shard(make_prompts):
     return plan.prompts
 
 
+def _uninterrupted(model, tokenizer, shard, params):
+    return decode(model, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
+                  tokenizer.eos_token_id, tokenizer.pad_token_id,
+                  shard.column("prefix_len").to_pylist())
+
+
 def _paused(model, tokenizer, shard, params, until: float):
     ids = shard.column("prompt_ids").to_pylist()
     dec = prefill_prompts(model, ids, N_SAMPLES, params, tokenizer.pad_token_id,
@@ -42,9 +54,7 @@ def _paused(model, tokenizer, shard, params, until: float):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuation_after_transfer_equals_uninterrupted(eos64, tokenizer, shard, greedy):
     params = SamplingParams(max_new_tokens=40, temperature=0.8, greedy=greedy, seed=3)
-    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                   tokenizer.eos_token_id, tokenizer.pad_token_id,
-                   shard.column("prefix_len").to_pylist())
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     tail = dec.live.tolist()
     assert 0 < len(tail) < len(whole)  # a real pause: some finished, some not
@@ -64,9 +74,7 @@ def test_two_tails_merged_decode_as_before_under_greedy(eos64, tokenizer, shard)
     halves = [shard.slice(0, 2), shard.slice(2)]
     expected, tails = [], []
     for half in halves:
-        expected += decode(eos64, half.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                           tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           half.column("prefix_len").to_pylist())
+        expected += _uninterrupted(eos64, tokenizer, half, params)
         dec = _paused(eos64, tokenizer, half, params, until=0.2)
         offset = len(expected) - len(half) * N_SAMPLES
         rows = half.take([i // N_SAMPLES for i in range(len(half) * N_SAMPLES)])
@@ -83,9 +91,7 @@ def test_a_tail_split_over_two_targets_decodes_as_before_under_greedy(eos64, tok
                                                                         shard):
     """A tail spread over several workers: each part (``take_tail``) continues alone."""
     params = SamplingParams(max_new_tokens=40, greedy=True)
-    whole = decode(eos64, shard.column("prompt_ids").to_pylist(), N_SAMPLES, params,
-                   tokenizer.eos_token_id, tokenizer.pad_token_id,
-                   shard.column("prefix_len").to_pylist())
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
     dec = _paused(eos64, tokenizer, shard, params, until=0.25)
     live = dec.live.tolist()
     assert len(live) >= 2
@@ -102,6 +108,31 @@ def test_a_tail_split_over_two_targets_decodes_as_before_under_greedy(eos64, tok
             assert torch.allclose(torch.tensor(lps), torch.tensor(whole[live[p]][1]), atol=1e-9)
     with pytest.raises(ValueError, match="take_tail"):
         take_tail(tail, [len(live)])
+
+
+def test_a_tail_shed_in_part_decodes_as_before_on_both_sides(eos64, tokenizer, shard):
+    """``split_tail``: the shed sequences continue elsewhere, the others where they were
+    (the same paused batch, narrowed); both equal uninterrupted decoding (sampled)."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5)
+    whole = _uninterrupted(eos64, tokenizer, shard, params)
+    dec = _paused(eos64, tokenizer, shard, params, until=0.25)
+    live = dec.live.tolist()
+    assert len(live) >= 3
+    rows = shard.take([i // N_SAMPLES for i in range(len(whole))])
+    shed = [len(live) - 1, 0]
+    sent = pickle.loads(pickle.dumps(split_tail(dec, rows, 0.0, shed)))
+    assert sent.n_sequences == 2 and dec.live.tolist() == live[1:-1]
+    assert dec.cache.layers[0].keys.shape[0] == len(live) - 2
+    moved, _ = import_tail(eos64, [sent])
+    for batch, seqs in ((moved, [live[p] for p in shed]), (dec, live[1:-1])):
+        results = run_decoding(eos64, batch, params, tokenizer.eos_token_id).results()
+        got = results if batch is moved else [results[s] for s in seqs]
+        for seq, (ids, lps, reason) in zip(seqs, got):
+            assert ids == whole[seq][0] and reason == whole[seq][2]
+            assert torch.allclose(torch.tensor(lps), torch.tensor(whole[seq][1]), atol=1e-9)
+    for bad in ([], [0, 0], [len(live)]):
+        with pytest.raises(ValueError, match="split_tail"):
+            split_tail(_paused(eos64, tokenizer, shard, params, until=0.25), rows, 0.0, bad)
 
 
 def test_import_of_nothing_is_refused(eos64):

@@ -193,3 +193,37 @@ def test_tail_modes_consolidate_and_lose_nothing(cluster, eos_model_dir, mode):
         assert decision["reconfig"]["fire"] and decision["threads"]["after"] == 2
     cluster.grow("gen", 1)
 
+
+
+@pytest.mark.slow  # a static and a split run: 20-30 s
+def test_split_sheds_the_heavy_tail_and_decodes_as_static(cluster, eos_model_dir):
+    """``split`` mode: the light worker at ``tau`` pauses the heavy one, which sheds part of
+    its tail (KV sent) to the light one and keeps decoding the rest; no worker is released
+    and the rollouts equal the static run's (sampled, float64)."""
+    shard, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=False)
+    names = cluster.worker_names("gen")[:2]
+    one = {(b, 1): [0.01 + 0.002 * b] for b in (1, 8)}
+    models = TailModels(KvCosts(ThroughputModel(),
+                                TransferModel(prior_latency_s=0.0, prior_bytes_per_s=1e15),
+                                kv_bytes_per_token=2048), StepProfile(one))
+    # seeded lengths: at tau 0.25 the light shard pauses after 4 steps with 2 of its 3
+    # sequences left, the heavy one (paused by then, or at its own tau after 12 steps) with
+    # 9 or more of 12: shedding pays whichever way the race between them goes
+    shards = [shard.take([0, 1, 3, 4]), shard.take([2])]
+    static = run_tail(cluster, names, shards, spec, weights, "static", 1.0, models,
+                      lambda n: 24.0, "split-static")
+    res = run_tail(cluster, names, shards, spec, weights, "split", 0.25, models,
+                   lambda n: 24.0, "split")
+    expected = _by_pair([Generated(static["rollouts"])])
+    got = _by_pair([Generated(res["rollouts"])])
+    assert got.keys() == expected.keys()
+    for pair, (ids, lps, _) in got.items():
+        assert ids == expected[pair][0]
+        assert max((abs(x - y) for x, y in zip(lps, expected[pair][1])), default=0.0) < 1e-6
+    decision = res["decision"]
+    assert decision["split"]["fire"], decision
+    moves = decision["moves"]
+    assert {m["source"] for m in moves} == {names[0]} and {m["target"] for m in moves} == {names[1]}
+    assert all(m["path"] == "transfer" and m["actual_s"] > 0 for m in moves)
+    assert res["released"] == [] and set(names) <= set(cluster.worker_names("gen"))
+    assert set(res["rollouts"].column("worker").to_pylist()) == set(names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rlhfless.schedulers.tail_cost import (
@@ -92,8 +93,9 @@ def _wide_profile() -> StepProfile:
 
 
 def _linear_fit_seconds(profile: StepProfile, remaining: list[float], threads: int) -> float:
-    """The rule this profile's decision replaced: ``a_t * max r + c_t * sum r`` of the fit."""
-    a, c = profile.fit[threads]
+    """The rule this profile's decision replaced: ``a_t * max r + c_t * sum r`` of the least
+    squares line through the medians."""
+    c, a = np.polyfit(*profile.points[threads], 1)
     return a * max(remaining) + c * sum(remaining)
 
 
@@ -138,18 +140,26 @@ def test_reconfiguration_fires_where_the_measured_points_pay():
     assert "extrapolated batch 20 on 2 thread(s), largest measured 16" in wider.reason
 
 
-def test_latency_bound_is_the_longest_chain_or_the_spread_work():
+def test_latency_bound_is_the_longest_chain_or_the_balanced_steps():
     lengths = {"a": [40, 10], "b": [5, 5]}
     bound = latency_bound(_profile(1.0), lengths)
-    assert bound["static_s"] == pytest.approx(0.010 * 40 + 0.001 * 50)  # worker a
-    assert bound["chain_s"] == pytest.approx((0.010 + 0.001) * 40)
-    assert bound["work_s"] == pytest.approx((0.010 * 40 + 0.001 * 60) / 2)
-    assert bound["bound_s"] == bound["chain_s"] and bound["longest"] == 40
+    # worker a: 10 steps at batch 2, 30 at 1; balanced: 4 live (2 each) for 5 steps, then 1
+    assert bound["static_s"] == pytest.approx(10 * 0.012 + 30 * 0.011)
+    assert bound["balanced_s"] == pytest.approx(5 * 0.012 + 35 * 0.011)
+    assert bound["chain_s"] == pytest.approx(0.011 * 40) and bound["longest"] == 40
+    assert bound["bound_s"] == bound["balanced_s"] and bound["tokens"] == 60
     # two threads twice as fast: the longest response alone runs at half the time
     assert latency_bound(_profile(2.0), lengths)["chain_s"] == pytest.approx(0.011 * 40 / 2)
-    # many short responses: the work, not the longest one, bounds the latency
-    many = latency_bound(_profile(1.0), {"a": [10] * 200, "b": [10] * 200})
-    assert many["bound_s"] == many["work_s"] == pytest.approx((0.010 * 10 + 0.001 * 4000) / 2)
+    # many short responses: the balanced batches, not the longest one, bound the latency
+    many = latency_bound(_profile(1.0), {"a": [10] * 200, "b": [10] * 100})
+    assert many["static_s"] == pytest.approx(10 * 0.210)
+    assert many["bound_s"] == many["balanced_s"] == pytest.approx(10 * 0.160)
+    # a step time nearly flat from 4 to 16: spreading 8 long responses over 2 workers gains
+    # 4 %: 8 live a worker at 0.20 s a step for 5 steps, then 4 at 0.19 against 8 at 0.20
+    flat = StepProfile({(1, 1): [0.05], (4, 1): [0.19], (16, 1): [0.22]})
+    same = latency_bound(flat, {"a": [40] * 8, "b": [5] * 8})
+    assert same["static_s"] == pytest.approx(40 * 0.20)  # a: 8 live for 40 steps
+    assert same["balanced_s"] == pytest.approx(5 * 0.20 + 35 * 0.19)
     with pytest.raises(ValueError, match="no sequences"):
         latency_bound(_profile(1.0), {"a": []})
 
