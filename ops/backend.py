@@ -62,8 +62,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class HFBackend(GenerationBackend):
     """transformers model + our decode loop; bf16 on CUDA, fp32 on CPU unless ``dtype``
-    names another, torch pinned to ``threads`` (each worker's share of the cores). ``model`` is public: the elastic policy's
-    chunked generation (pause at τ, resume or migrate) drives the decode loop directly."""
+    names another, torch pinned to ``threads`` (each worker's share of the cores).
+    ``model`` is public: the elastic policy's chunked generation (pause at τ, resume or
+    migrate) drives the decode loop directly."""
 
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
                  lora: LoraSpec | None = None, dtype: str = "auto") -> None:
