@@ -140,6 +140,29 @@ def test_reconfiguration_fires_where_the_measured_points_pay():
     assert "extrapolated batch 20 on 2 thread(s), largest measured 16" in wider.reason
 
 
+# ``wide`` decoding in float64 (a one-process timing of the decode loop, 8 steps, quiet): step
+# ms at batch 1 / 2 / 4 / 8 / 16 on 1 and 2 threads. One sequence is a matrix-vector product;
+# from two on, a matrix product that a second thread speeds up 1.3-1.8x.
+WIDE64_MS = {1: (67, 64), 2: (133, 107), 4: (176, 103), 8: (231, 128), 16: (299, 166)}
+
+
+def _wide64_profile(batches) -> StepProfile:
+    return StepProfile({(b, t + 1): [WIDE64_MS[b][t] * 1e-3 * f for f in (0.95, 1.0, 1.05)]
+                        for b in batches for t in (0, 1)})
+
+
+def test_sparse_profile_points_misjudge_a_tail_of_a_few_sequences():
+    """Three sequences of 20 tokens on each worker: measured, 1 thread at batch 3 costs
+    155 ms a step and 2 threads at batch 6 116 ms, consolidating 25 % sooner; points at 1, 8,
+    16 only interpolate 114 ms against 110 ms (4 %, inside the 5 % noise): it would stay."""
+    tails, threads, free = {"a": [20] * 3, "b": [20] * 3}, {"a": 1, "b": 1}, {"a": 0, "b": 0}
+    dense = plan_reconfig(tails, threads, _wide64_profile((1, 2, 4, 8, 16)), free)
+    sparse = plan_reconfig(tails, threads, _wide64_profile((1, 8, 16)), free)
+    assert dense.fire and dense.move_s == pytest.approx(20 * 0.1155)
+    assert dense.stay_s == pytest.approx(20 * 0.1545)
+    assert not sparse.fire and sparse.move_s > sparse.stay_s * 0.95
+
+
 def test_latency_bound_is_the_longest_chain_or_the_balanced_steps():
     lengths = {"a": [40, 10], "b": [5, 5]}
     bound = latency_bound(_profile(1.0), lengths)
