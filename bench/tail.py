@@ -7,7 +7,8 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
 
 1. warm both workers (model load outside the measurement) and measure the decode step
    profile reconfiguration decides from (``tail.measure_profile``: 1 thread on both workers
-   at once, 2 threads on one alone; its noise is the margin a reconfiguration must clear);
+   at once, 2 threads on one alone; a reconfiguration must pay by its medians and by each
+   of its repeats);
 2. run the same prompts (``LongTailTallyTask``: most lists 2-5 items, a tenth 18-24)
    under each tail mode of ``pipeline/tail.py``, regrowing and warming the pool between
    modes; generation seconds and the pool's worker-seconds (from the cost ledger) and
@@ -23,9 +24,10 @@ batches whose consolidated batch lies beyond the largest measured one are listed
 latency a perfect rebalancing or the longest response alone could give:
 ``tail_cost.latency_bound``).
 
-``wide`` is the size where a second thread pays most on this machine (matmuls 2048 wide);
-``tiny`` the one where it does not. Prints one JSON line.
-``python bench/tail.py [--models tiny,wide] [--prompts 24] [--audit 6] [--modes static,...]``
+``wide64`` (``wide``'s weights generated in float64, ``ops/benchmodel.py`` BENCH_DTYPES) is
+where a second thread pays on this machine; ``tiny`` (and ``wide``, float32) where it does
+not. Prints one JSON line.
+``python bench/tail.py [--models tiny,wide64] [--prompts 24] [--audit 6] [--modes static,...]``
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
+import torch
 from transformers import AutoTokenizer
 
-from rlhfless.ops.benchmodel import BENCH_SIZES, ensure_bench_model
+from rlhfless.ops.backend import resolve_dtype
+from rlhfless.ops.benchmodel import BENCH_SIZES, bench_dtype, ensure_bench_model
 from rlhfless.ops.generate import SamplingParams
 from rlhfless.ops.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.load import read_prompts
@@ -62,7 +66,11 @@ from rlhfless.schedulers.tail_cost import KvCosts, TransferModel, latency_bound
 from rlhfless.schedulers.throughput import ThroughputModel
 
 WORKERS = 2
-PROFILE_BATCHES = (1, 8, 16)  # decode step profile: live batch sizes a tail runs at
+# decode step profile: the live batches a tail runs at, dense where a step's cost bends (one
+# sequence is a matrix-vector product, two already a matrix product); short prompts and few
+# steps keep its measuring cheap (attention over a longer context costs little at these widths)
+PROFILE_BATCHES = (1, 2, 4, 8, 16)
+PROFILE_STEPS, PROFILE_PROMPT_TOKENS = 8, 8
 
 
 def plain(value):
@@ -93,13 +101,15 @@ def fit_length(table: pa.Table):
 def reconfig_bound(profile) -> dict:
     """Where the profile says a reconfiguration of even tails pays before any move cost: per
     tail batch ``b`` on each worker, one worker with both threads decoding the
-    ``WORKERS * b`` against each decoding its own, needed above ``1 / (1 - noise)``
-    (``plan_reconfig``'s margin; uneven tails can pay at less). ``extrapolated``: the ``b``
-    whose ``WORKERS * b`` exceeds the largest batch measured on ``WORKERS`` threads."""
-    need = 1 / (1 - profile.noise) if profile.noise < 1 else float("inf")
+    ``WORKERS * b`` against each decoding its own, by the medians and by the least of the
+    profile's repeats (``plan_reconfig`` fires only where every repeat agrees; uneven tails
+    can pay at less). ``extrapolated``: the ``b`` whose ``WORKERS * b`` exceeds the largest
+    batch measured on ``WORKERS`` threads."""
     gain = {b: round(profile.consolidation_speedup(b, WORKERS), 3) for b in PROFILE_BATCHES}
-    return {"consolidation_speedup": gain, "needed": round(need, 3),
-            "pays": {b: g > need for b, g in gain.items()},
+    least = {b: round(min(p.consolidation_speedup(b, WORKERS) for p in profile.repeats()), 3)
+             for b in PROFILE_BATCHES}
+    return {"consolidation_speedup": gain, "least_of_repeats": least,
+            "pays": {b: min(gain[b], least[b]) > 1 for b in PROFILE_BATCHES},
             "extrapolated": [b for b in PROFILE_BATCHES
                              if WORKERS * b > profile.largest_batch(WORKERS)]}
 
@@ -159,15 +169,18 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
     path = ensure_bench_model(name, log=lambda *_: None)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = read_prompts(pa.Table.from_pylist(prompts_rows), tok).table
-    spec = GenSpec(EngineSpec(str(path)), args.n_samples,
+    spec = GenSpec(EngineSpec(str(path), dtype=bench_dtype(name)), args.n_samples,
                    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0))
     weights = WeightsRef(0, str(path))
     shards = [prompts.take(list(range(i, len(prompts), WORKERS))) for i in range(WORKERS)]
     ledger = CostLedger({"gen": 1.0})
-    out: dict = {"model": name, "kv_bytes_per_token": kv_bytes_per_token(path)}
+    itemsize = resolve_dtype(bench_dtype(name), torch.device("cpu")).itemsize
+    out: dict = {"model": name, "dtype": bench_dtype(name),
+                 "kv_bytes_per_token": kv_bytes_per_token(path, itemsize)}
     with PoolCluster([Pool("gen", WORKERS, 1, {"GEN": 1}, "4GiB")], ledger) as pc:
         names = warm(pc, spec, weights, prompts.slice(0, 1))
-        profile = measure_profile(pc, names, spec, weights, PROFILE_BATCHES)
+        profile = measure_profile(pc, names, spec, weights, PROFILE_BATCHES, PROFILE_STEPS,
+                                  prompt_tokens=PROFILE_PROMPT_TOKENS)
         models = TailModels(KvCosts(ThroughputModel(), TransferModel(),
                                     out["kv_bytes_per_token"]), profile)
         out["profile"] = profile.to_record()
@@ -212,7 +225,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,wide")
+    ap.add_argument("--models", default="tiny,wide64")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--n-samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)

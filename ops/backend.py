@@ -42,6 +42,7 @@ from .lora import LoraSpec, add_adapters
 from .publish import WeightsRef, load_weights
 
 BACKENDS = ("hf", "vllm")
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")  # of the hf engine's weights
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,14 +51,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype: ``auto`` is bf16 on CUDA, fp32 on CPU; else the one named."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 class HFBackend(GenerationBackend):
-    """transformers model + our decode loop; bf16 on CUDA, fp32 on CPU, torch pinned to
-    ``threads`` (each worker's share of the cores). ``model`` is public: the elastic policy's
-    chunked generation (pause at τ, resume or migrate) drives the decode loop directly."""
+    """transformers model + our decode loop; bf16 on CUDA, fp32 on CPU unless ``dtype``
+    names another, torch pinned to ``threads`` (each worker's share of the cores).
+    ``model`` is public: the elastic policy's chunked generation (pause at τ, resume or
+    migrate) drives the decode loop directly."""
 
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
-                 lora: LoraSpec | None = None) -> None:
+                 lora: LoraSpec | None = None, dtype: str = "auto") -> None:
         self.model_path, self.device_name, self.threads = str(model_path), device, threads
+        self.dtype_name = dtype
         self.lora = lora  # adapters on the model (ops/lora.py); published versions carry them
         self.model: torch.nn.Module | None = None
         self._tokenizer = None
@@ -67,9 +79,8 @@ class HFBackend(GenerationBackend):
         hf_logging.disable_progress_bar()
         torch.set_num_threads(self.threads)
         device = resolve_device(self.device_name)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=dtype).to(device).eval()
+            self.model_path, dtype=resolve_dtype(self.dtype_name, device)).to(device).eval()
         if self.lora is not None:
             add_adapters(self.model, self.lora)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -107,11 +118,13 @@ class HFBackend(GenerationBackend):
 
 
 def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
-                 colocate: bool = False, lora: LoraSpec | None = None) -> GenerationBackend:
+                 colocate: bool = False, lora: LoraSpec | None = None,
+                 dtype: str = "auto") -> GenerationBackend:
     """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
-    engine shares its device with the trainer and sleeps between rollouts (vllm)."""
+    engine shares its device with the trainer and sleeps between rollouts (vllm); ``dtype``:
+    the hf engine's weights (one of ``DTYPES``)."""
     if name == "hf":
-        return HFBackend(model_path, device, threads, lora)
+        return HFBackend(model_path, device, threads, lora, dtype)
     if name == "vllm":
         from .vllm_backend import VLLMBackend  # optional dependency: only when asked for
 

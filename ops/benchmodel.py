@@ -48,8 +48,19 @@ class BenchSize:
 BENCH_SIZES = {  # bench name -> size; "tiny" is the embedded model itself
     "small": BenchSize(256, 768, 4),
     "bench": BenchSize(1024, 3072, 8),
-    "wide": BenchSize(2048, 6144, 4),  # matmuls large enough for a second thread to pay
+    "wide": BenchSize(2048, 6144, 4),  # a second thread speeds a step up to ~1.3x here
+    "wide64": BenchSize(2048, 6144, 4),  # the same weights, generated in float64
 }
+# bench name -> its generation engine's dtype (``EngineSpec.dtype``) where not the default.
+# On this 2-core CPU a second torch thread speeds a float64 decode step of ``wide`` at
+# batches 2-16 by 1.3-1.8x (float32: 1.0-1.3x): there one worker with both threads decodes
+# two tails sooner than two one-thread workers decode one each (bench/tail.py).
+BENCH_DTYPES = {"wide64": "float64"}
+
+
+def bench_dtype(name: str) -> str:
+    """The generation engine dtype the bench model ``name`` runs in."""
+    return BENCH_DTYPES.get(name, "auto")
 
 
 def widen(model: LlamaForCausalLM, size: BenchSize) -> LlamaForCausalLM:

@@ -32,6 +32,7 @@ class EngineSpec:
     backend: str = "hf"  # generation backend (ops/backend.py): "hf" | "vllm"
     colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
     lora: LoraSpec | None = None  # LoRA adapters on the model; only they train and move
+    dtype: str = "auto"  # the hf generation engine's weights (ops/backend.py DTYPES)
 
 
 def worker_name() -> str:

@@ -56,7 +56,7 @@ def _generation_engine(spec: EngineSpec,
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
         engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
-                              colocate=spec.colocate, lora=spec.lora)
+                              colocate=spec.colocate, lora=spec.lora, dtype=spec.dtype)
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds

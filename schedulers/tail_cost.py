@@ -11,7 +11,8 @@ Two pure decisions, both from the run's own timings:
   ``threads`` torch threads; or one worker takes every tail and decodes it with all their
   threads, the others released. ``StepProfile`` (decode step seconds by batch x threads,
   measured on the machine at start) times both; it fires only when the predicted gain
-  exceeds the reconfiguration's own cost (moving the other tails' context).
+  exceeds the reconfiguration's own cost (moving the other tails' context), by the medians
+  and by every repeat of the profile taken alone.
 
 Under continuous batching a worker whose sequences have ``r_i`` tokens left runs
 ``max r_i`` steps, the live batch at step ``s`` being ``#{i: r_i >= s}``; the plan sums
@@ -149,8 +150,11 @@ class StepProfile:
     (batch, threads). A step's seconds at a batch is the samples' median at a measured batch,
     linear between the two measured batches around it, and past the largest measured batch
     continues the last measured segment's slope (never falling; ``largest_batch`` says where
-    that begins, so a caller can say it extrapolated). ``noise`` is the largest relative half-range of a point's samples: how far
-    this measurement could be off, the margin a decision taken from it must clear."""
+    that begins, so a caller can say it extrapolated). ``noise`` is the largest relative
+    half-range of a point's samples (how far one sample can be off); ``repeats`` the
+    profiles of one sample per point, the ``i``-th of each (a measurement that cycles over
+    every point per repeat makes each a whole profile taken at one time), which a decision
+    must hold under each of."""
 
     def __init__(self, measured: Mapping[tuple[int, int], Sequence[float]]) -> None:
         if not measured or any(len(v) == 0 or min(v) <= 0 for v in measured.values()):
@@ -170,6 +174,11 @@ class StepProfile:
     @property
     def threads(self) -> list[int]:
         return sorted(self.points)
+
+    def repeats(self) -> list[StepProfile]:
+        """One profile per repeat: the ``i``-th sample of every point."""
+        n = min(len(v) for v in self.measured.values())
+        return [StepProfile({k: [v[i]] for k, v in self.measured.items()}) for i in range(n)]
 
     def largest_batch(self, threads: int) -> int:
         """The largest batch measured at ``threads``: beyond it step times are extrapolated."""
@@ -201,14 +210,16 @@ class StepProfile:
     def consolidation_speedup(self, batch: int, workers: int) -> float:
         """Per step, how much sooner one worker with the threads of ``workers`` one-thread
         workers decodes all their tails of ``batch`` sequences each (one batch of
-        ``workers * batch``) than they do, each its own at once: a reconfiguration pays only
-        where this exceeds ``1 / (1 - noise)``, before any move cost."""
+        ``workers * batch``) than they do, each its own at once: even tails' consolidation
+        pays, before any move cost, where this exceeds 1 by the medians and every repeat."""
         return float(self.step_seconds(batch, 1) / self.step_seconds(workers * batch, workers))
 
     def to_record(self) -> dict:
         return {"noise": self.noise,
                 "median_s": {f"{b}x{t}": float(np.median(v))
                              for (b, t), v in self.measured.items()},
+                "half_range": {f"{b}x{t}": (max(v) - min(v)) / (2 * float(np.median(v)))
+                               for (b, t), v in self.measured.items()},
                 "samples": len(next(iter(self.measured.values())))}
 
 
@@ -237,9 +248,11 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     (``choose_kv_path`` of each). Both sides are timed by ``StepProfile.decode_seconds``
     (the measured step times at the batches the tails run at; the reason names any batch
     beyond the largest measured one). Fires when the consolidated finish, overhead included,
-    is sooner than staying by more than the profile's noise: the predicted gain exceeds the
-    reconfiguration cost, and would still if the profile were off by its own spread.
-    Core-seconds of both are recorded (the released workers stop billing at once).
+    is sooner than staying by the profile's medians and by each of its repeats taken alone
+    (``StepProfile.repeats``): the predicted gain exceeds the reconfiguration cost, and no
+    single measurement of the profile says otherwise (with 5 repeats, a gain that is not
+    there passes all five about once in 32). Core-seconds of both are recorded (the
+    released workers stop billing at once).
     """
     live = {w: np.asarray(r, dtype=np.float64) for w, r in tails.items() if len(r)}
     each = {w: profile.decode_seconds(r, threads[w]) for w, r in live.items()}
@@ -250,18 +263,27 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
         return ReconfigChoice(False, "", 0, stay_s, stay_s, 0.0, stay_cs, stay_cs,
                               f"{len(live)} live worker(s), {total} threads unprofiled: stay")
     every = np.concatenate(list(live.values()))
-    wide_s = profile.decode_seconds(every, total)
     target = min(live, key=lambda w: overhead_s[w])
+
+    def finish(p: StepProfile) -> tuple[float, float]:
+        """Seconds staying and consolidated (overhead included) by the profile ``p``."""
+        stay = max(p.decode_seconds(r, threads[w]) for w, r in live.items())
+        return stay, overhead_s[target] + p.decode_seconds(every, total)
+
+    wide_s = profile.decode_seconds(every, total)
     move_s = overhead_s[target] + wide_s
     stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
-    fire = move_s < stay_s * (1 - profile.noise)
+    repeats = [finish(p) for p in profile.repeats()]
+    sooner = sum(m < s for s, m in repeats)
+    fire = move_s < stay_s and sooner == len(repeats)
     batches = [(r.size, threads[w]) for w, r in live.items()] + [(every.size, total)]
     beyond = [f"{n} on {t} thread(s), largest measured {profile.largest_batch(t)}"
               for n, t in batches if n > profile.largest_batch(t)]
     why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
            f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
-           f"{overhead_s[target]:.2f} s = {move_s:.2f} s; margin {profile.noise:.0%} "
-           "(profile noise)" + (f"; extrapolated batch {', '.join(beyond)}" if beyond else ""))
+           f"{overhead_s[target]:.2f} s = {move_s:.2f} s (medians); consolidated sooner in "
+           f"{sooner} of {len(repeats)} repeats of the profile"
+           + (f"; extrapolated batch {', '.join(beyond)}" if beyond else ""))
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
                           float(overhead_s[target]), stay_cs, move_cs,
                           ("consolidate: " if fire else "stay: ") + why)

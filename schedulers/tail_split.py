@@ -12,7 +12,8 @@ includes landing the context it receives (``move_s`` of its context tokens: the 
 cost of a KV transfer or a recomputation, whichever it would pick); a worker that received
 is never a source afterwards and a source never a target, so nothing moves twice. It stops
 when no move lowers the pool's finish, and fires when the pool's predicted finish falls by
-more than the profile's noise (the margin ``plan_reconfig`` uses too).
+more than the profile's noise (``plan_reconfig`` asks instead that the profile's medians and
+each of its repeats agree).
 """
 
 from __future__ import annotations

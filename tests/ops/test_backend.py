@@ -205,3 +205,11 @@ def test_vllm_weight_update_resets_the_prefix_cache_and_wakes_in_order(fake_vllm
     not_colocated.load()
     not_colocated.sleep()
     assert not_colocated.llm.calls == []
+
+
+def test_hf_backend_loads_the_dtype_asked_for(tiny_model_dir):
+    engine = make_backend("hf", tiny_model_dir, "cpu", dtype="float64")
+    engine.load()
+    assert engine.model.dtype == torch.float64
+    with pytest.raises(ValueError, match="dtype 'int8': choose one of auto, float32"):
+        make_backend("hf", tiny_model_dir, "cpu", dtype="int8").load()

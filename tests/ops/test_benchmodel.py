@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfless.ops.benchmodel import BenchSize, widen
+from rlhfless.ops.backend import DTYPES
+from rlhfless.ops.benchmodel import BENCH_DTYPES, BENCH_SIZES, BenchSize, bench_dtype, widen
 
 
 def test_widened_model_has_the_same_logits_and_more_parameters(model64):
@@ -23,3 +24,9 @@ def test_widened_model_has_the_same_logits_and_more_parameters(model64):
 def test_a_size_smaller_than_the_model_is_refused(model64):
     with pytest.raises(ValueError, match="cannot hold"):
         widen(model64, BenchSize(hidden_size=64, intermediate_size=512, num_layers=6))
+
+
+def test_a_bench_model_names_its_generation_dtype():
+    assert set(BENCH_DTYPES) <= set(BENCH_SIZES) and set(BENCH_DTYPES.values()) <= set(DTYPES)
+    assert bench_dtype("wide64") == "float64" and bench_dtype("tiny") == "auto"
+    assert BENCH_SIZES["wide64"].key() == BENCH_SIZES["wide"].key()  # one build, two dtypes
