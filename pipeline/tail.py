@@ -13,11 +13,12 @@
   event pauses the others); ``tail_split.plan_split`` then sheds sequences from the worker
   predicted to finish last to those predicted to finish first (KV or recompute by cost),
   and every worker decodes what it holds: the pool finishes together, none is released;
-- ``reconfig``: PAT on CPU. At ``tau`` ``tail_cost.plan_reconfig`` compares finishing in
-  place with one worker decoding every tail with all the pool's threads (from the decode
-  step profile measured at start), the move's cost included; if it pays, the tails are
-  consolidated (KV or recompute by cost), the target's torch threads raised and the
-  others released; otherwise every tail resumes where it is.
+- ``reconfig``: PAT on CPU. When the first worker reaches ``tau`` (the others paused, as
+  in ``split``) ``tail_cost.plan_reconfig`` compares finishing in place with one worker
+  decoding every tail with all the pool's threads (from the decode step profile measured
+  at start), the move's cost included; if it pays, the tails are consolidated (KV or
+  recompute by cost), the target's torch threads raised and the others released;
+  otherwise every tail resumes where it is.
 
 Every move is a record (predicted and actual seconds of the chosen path, bytes, tokens),
 and each actual feeds the transfer and prefill models for the next decision. Predicted
@@ -104,7 +105,7 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     threads = dict.fromkeys(names, pc.pools["gen"].threads)
     widened: dict[str, float] = {}  # worker -> when its threads were raised
     until = 1.0 if mode == "static" else tau
-    pause = f"{tag}-pause" if mode == "split" else None
+    pause = f"{tag}-pause" if mode in ("split", "reconfig") else None
     chunks = {n: c.submit(generate_chunk_task, s, weights, spec, SEED, until, f"{tag}-{n}",
                           pause, workers=[addr[n]], pure=False,
                           key=task_key("chunk", 0, i, tag=tag))

@@ -23,7 +23,7 @@ and a fit's slope can credit threads with a per-sequence speedup no measured poi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +180,13 @@ class StepProfile:
         n = min(len(v) for v in self.measured.values())
         return [StepProfile({k: [v[i]] for k, v in self.measured.items()}) for i in range(n)]
 
+    def sooner_in_repeats(self, finish: Callable[[StepProfile], tuple[float, float]]) -> int:
+        """In how many of ``repeats()`` a change finishes sooner than staying; ``finish(p)``:
+        (staying, changed) seconds timed by the profile ``p``. A decision fires only when
+        the medians and every repeat agree: with 5 repeats, a gain that is not there passes
+        all five about once in 32."""
+        return sum(changed < stay for stay, changed in map(finish, self.repeats()))
+
     def largest_batch(self, threads: int) -> int:
         """The largest batch measured at ``threads``: beyond it step times are extrapolated."""
         return int(self.points[threads][0][-1])
@@ -249,9 +256,8 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     (the measured step times at the batches the tails run at; the reason names any batch
     beyond the largest measured one). Fires when the consolidated finish, overhead included,
     is sooner than staying by the profile's medians and by each of its repeats taken alone
-    (``StepProfile.repeats``): the predicted gain exceeds the reconfiguration cost, and no
-    single measurement of the profile says otherwise (with 5 repeats, a gain that is not
-    there passes all five about once in 32). Core-seconds of both are recorded (the
+    (``StepProfile.sooner_in_repeats``): the predicted gain exceeds the reconfiguration
+    cost, and no single measurement of the profile says otherwise. Core-seconds of both are recorded (the
     released workers stop billing at once).
     """
     live = {w: np.asarray(r, dtype=np.float64) for w, r in tails.items() if len(r)}
@@ -273,16 +279,15 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     wide_s = profile.decode_seconds(every, total)
     move_s = overhead_s[target] + wide_s
     stay_s, move_s, move_cs = float(stay_s), float(move_s), float(move_s * total)
-    repeats = [finish(p) for p in profile.repeats()]
-    sooner = sum(m < s for s, m in repeats)
-    fire = move_s < stay_s and sooner == len(repeats)
+    sooner, repeats = profile.sooner_in_repeats(finish), len(profile.repeats())
+    fire = move_s < stay_s and sooner == repeats
     batches = [(r.size, threads[w]) for w, r in live.items()] + [(every.size, total)]
     beyond = [f"{n} on {t} thread(s), largest measured {profile.largest_batch(t)}"
               for n, t in batches if n > profile.largest_batch(t)]
     why = (f"{every.size} sequences on {len(live)} workers: stay {stay_s:.2f} s / "
            f"{stay_cs:.2f} core-s; one worker x {total} threads {wide_s:.2f} s + overhead "
            f"{overhead_s[target]:.2f} s = {move_s:.2f} s (medians); consolidated sooner in "
-           f"{sooner} of {len(repeats)} repeats of the profile"
+           f"{sooner} of {repeats} repeats of the profile"
            + (f"; extrapolated batch {', '.join(beyond)}" if beyond else ""))
     return ReconfigChoice(fire, target if fire else "", total if fire else 0, stay_s, move_s,
                           float(overhead_s[target]), stay_cs, move_cs,

@@ -11,9 +11,9 @@ sequence whose move lowers the later of the two finishes most. A receiving worke
 includes landing the context it receives (``move_s`` of its context tokens: the caller's
 cost of a KV transfer or a recomputation, whichever it would pick); a worker that received
 is never a source afterwards and a source never a target, so nothing moves twice. It stops
-when no move lowers the pool's finish, and fires when the pool's predicted finish falls by
-more than the profile's noise (``plan_reconfig`` asks instead that the profile's medians and
-each of its repeats agree).
+when no move lowers the pool's finish, and fires when the pool finishes sooner by the
+profile's medians and by each of its repeats taken alone (``StepProfile.sooner_in_repeats``,
+the rule ``plan_reconfig`` fires by).
 """
 
 from __future__ import annotations
@@ -108,12 +108,25 @@ def plan_split(tails: Mapping[str, Sequence[float]], context: Mapping[str, Seque
         targets.add(dst)
         finish[src], finish[dst] = pool.finish(src), pool.finish(dst)
     split_s = max(finish.values(), default=0.0)
-    fire = bool(moved) and split_s < stay_s * (1 - profile.noise)
+
+    def timed(p: StepProfile) -> tuple[float, float]:
+        """Seconds staying and split (landing included) by the profile ``p``."""
+        again = _Pool(tails, threads, p, move_s)
+        stay = max(again.finish(w) for w in threads)
+        for (s, d), positions in moved.items():
+            for pos in positions:
+                again.received[d].append(again.own[s].pop(pos))
+                again.context[d] += int(context[s][pos])
+        return stay, max(again.finish(w) for w in threads)
+
+    sooner, repeats = profile.sooner_in_repeats(timed), len(profile.repeats())
+    fire = bool(moved) and split_s < stay_s and sooner == repeats
     moves = tuple(Shed(s, d, tuple(sorted(p)), sum(int(context[s][i]) for i in p))
                   for (s, d), p in moved.items())
     n = sum(len(m.positions) for m in moves)
     why = (f"shed {n} sequence(s) in {len(moves)} move(s): pool done in {split_s:.2f} s "
-           f"against {stay_s:.2f} s staying; margin {profile.noise:.0%} (profile noise)")
+           f"against {stay_s:.2f} s staying (medians); sooner in {sooner} of {repeats} "
+           "repeats of the profile")
     return SplitChoice(fire, moves if fire else (), float(stay_s),
                        float(split_s if fire else stay_s),
                        {w: round(float(f), 4) for w, f in finish.items()},
