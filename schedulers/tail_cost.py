@@ -301,9 +301,10 @@ def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) ->
     latency. ``balanced_s``: every step's live sequences spread evenly over the ``W``
     workers (``decode_seconds(..., workers=W)``), what a perfect, free rebalancing after
     every step decodes in: with step times that never fall as the batch grows, no placement
-    of a step's sequences has a cheaper slowest worker. No reconfiguration decodes the
-    longest response faster than alone at its best thread count (``chain_s``); ``bound_s``
-    is the larger of the two."""
+    of a step's sequences has a cheaper slowest worker: it bounds moves between one-thread
+    workers, not a change of threads (a consolidated worker with every thread can beat it
+    where two one-thread workers slow each other down). Nothing decodes the longest
+    response faster than alone at its best thread count (``chain_s``)."""
     lens = {w: np.asarray(v, dtype=np.float64) for w, v in lengths.items() if len(v)}
     if not lens:
         raise ValueError("latency_bound: no sequences")
@@ -312,5 +313,4 @@ def latency_bound(profile: StepProfile, lengths: Mapping[str, Sequence[int]]) ->
     balanced_s = profile.decode_seconds(every, 1, workers=len(lengths))
     chain_s = every.max() * min(float(profile.step_seconds(1, t)) for t in profile.threads)
     return {"static_s": float(static_s), "balanced_s": float(balanced_s),
-            "chain_s": float(chain_s), "bound_s": float(max(chain_s, balanced_s)),
-            "longest": int(every.max()), "tokens": int(every.sum())}
+            "chain_s": float(chain_s), "longest": int(every.max()), "tokens": int(every.sum())}
