@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.6)
     ap.add_argument("--audit", type=int, default=6)
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="tail modes to run, static first (the baseline the others are set against)")
+                    help="tail modes to run, static first (the others' baseline)")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     if args.modes[0] != "static" or set(args.modes) - set(MODES):

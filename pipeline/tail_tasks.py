@@ -14,10 +14,11 @@ worker under a key. To continue them elsewhere *with* their KV cache:
 
 A tail split over several targets is cut on the source first (``take_tail_task``: each
 target fetches only its part); a worker that sheds part of its tail and decodes the rest
-itself cuts it in place (``split_tail_task``); ``adopt_tails_task`` can instead recompute cut rows' context
-on the target (``recompute``), so both paths of a move end in one paused decoding there,
-which ``resume_adopted_task`` finishes once the adoption is done. ``move_actual_s`` reads a
-move's actual seconds off the adoption's facts (what ``tail_cost.KvCosts`` learns from).
+itself cuts it in place (``split_tail_task``); ``adopt_tails_task`` can instead recompute
+cut rows' context on the target (``recompute``), so both paths of a move end in one paused
+decoding there, which ``resume_adopted_task`` finishes once the adoption is done.
+``move_actual_s`` reads a move's actual seconds off the adoption's facts (what
+``tail_cost.KvCosts`` learns from).
 
 Once step 2 is done the tail lives on the target alone: the driver drops the export's
 future and the source may be retired or die without loss. ``set_threads_task`` changes

@@ -257,8 +257,8 @@ def plan_reconfig(tails: Mapping[str, Sequence[float]], threads: Mapping[str, in
     beyond the largest measured one). Fires when the consolidated finish, overhead included,
     is sooner than staying by the profile's medians and by each of its repeats taken alone
     (``StepProfile.sooner_in_repeats``): the predicted gain exceeds the reconfiguration
-    cost, and no single measurement of the profile says otherwise. Core-seconds of both are recorded (the
-    released workers stop billing at once).
+    cost, and no single measurement of the profile says otherwise. Core-seconds of both are
+    recorded (the released workers stop billing at once).
     """
     live = {w: np.asarray(r, dtype=np.float64) for w, r in tails.items() if len(r)}
     each = {w: profile.decode_seconds(r, threads[w]) for w, r in live.items()}
