@@ -306,7 +306,7 @@ class ElasticGeneration:
         client, source = self.pc.client, self.pc.address_of(worker)
         sent = None
         if any(choice.path == "transfer" for *_, choice, _ in plans):
-            sent = client.submit(export_tail_task, key, workers=[source], pure=False,
+            sent = client.submit(export_tail_task, key, source, workers=[source], pure=False,
                                  allow_other_workers=True,  # a lost source: TailLost
                                  key=task_key("export", iteration, shard))
             self.exports.setdefault(worker, []).append(sent)

@@ -204,7 +204,8 @@ def _split(pc: PoolCluster, addr: dict, threads: dict[str, int], cuts: dict[str,
         return c.submit(resume_task, key, weights, spec, workers=[addr[worker]], pure=False)
 
     sends = {m: c.submit(split_tail_task, f"{tag}-{m.source}", list(m.positions),
-                         workers=[addr[m.source]], allow_other_workers=True, pure=False)
+                         addr[m.source], workers=[addr[m.source]], allow_other_workers=True,
+                         pure=False)
              for m in plan.moves}
     wait(list(sends.values()))
     emptied = {m.source for m, f in sends.items()
@@ -250,7 +251,7 @@ def _consolidate(pc: PoolCluster, addr: dict, target: str, sources: list[str],
     with the target's own paused tail under ``<tag>-merged``; each move logged and fed back
     into the models."""
     c = pc.client
-    sends = {s: c.submit(export_tail_task, f"{tag}-{s}", workers=[addr[s]],
+    sends = {s: c.submit(export_tail_task, f"{tag}-{s}", addr[s], workers=[addr[s]],
                          allow_other_workers=True, pure=False)
              for s in sources if choices[s][0].path == "transfer"}
     redo = [s for s in sources if choices[s][0].path == "recompute"]

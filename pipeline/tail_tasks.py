@@ -32,6 +32,7 @@ import time
 
 import pyarrow as pa
 import torch
+from distributed import Reschedule, get_client, get_worker
 
 from rlhfless.ops.gen_stats import Generated, GenerationStats
 from rlhfless.ops.generate import SamplingParams, prefill_prompts, run_decoding
@@ -54,31 +55,43 @@ class TailLost(KeyError):
     moved, or its worker died and the task that held it was rerun elsewhere."""
 
 
-def _take_paused(key: str) -> TailKV:
+def _in_cluster(address: str, dask_scheduler=None) -> bool:
+    """On the scheduler: is the worker at ``address`` still there?"""
+    return address in dask_scheduler.workers
+
+
+def _take_paused(key: str, source: str | None = None) -> TailKV:
+    """The paused decoding ``key`` of this worker, exported. ``source``: the address of the
+    worker it was paused on, for a task pinned there loosely (so that a dead source's task
+    runs elsewhere and says ``TailLost``): a task that work stealing moved off a source
+    still alive goes back to the scheduler (``Reschedule``), which sends it to the source."""
     entry = PAUSED.pop(key, None)
     if entry is None:
+        if source is not None and source != get_worker().address \
+                and get_client().run_on_scheduler(_in_cluster, source):
+            raise Reschedule()
         raise TailLost(f"worker {worker_name()} holds no paused decoding {key!r} "
                        "(never paused here, already moved, or the worker restarted)")
     dec, rows, start = entry
     return export_tail(dec, rows, start)
 
 
-def split_tail_task(key: str, positions: list[int]) -> TailKV:
-    """On the source worker: the sequences at ``positions`` of the paused decoding ``key``
-    as a ``TailKV``; the others stay paused under ``key`` (all moved: ``key`` is gone)."""
+def split_tail_task(key: str, positions: list[int], source: str | None = None) -> TailKV:
+    """On the source worker (its address ``source``, as ``_take_paused``'s): the sequences
+    at ``positions`` of the paused decoding ``key`` as a ``TailKV``; the others stay paused
+    under ``key`` (all moved: ``key`` is gone)."""
     entry = PAUSED.get(key)
-    if entry is None:
-        return _take_paused(key)  # raises TailLost
+    if entry is None or len(positions) == len(entry[0].live):
+        return _take_paused(key, source)
     dec, rows, start = entry
-    if len(positions) == len(dec.live):
-        return _take_paused(key)
     return split_tail(dec, rows, start, positions)
 
 
-def export_tail_task(key: str) -> TailKV:
-    """On the source worker: the paused decoding ``key`` as a ``TailKV`` (it leaves the
-    worker's paused decodings; the result is the only copy until a target adopts it)."""
-    return _take_paused(key)
+def export_tail_task(key: str, source: str | None = None) -> TailKV:
+    """On the source worker (its address ``source``, as ``_take_paused``'s): the paused
+    decoding ``key`` as a ``TailKV`` (it leaves the worker's paused decodings; the result
+    is the only copy until a target adopts it)."""
+    return _take_paused(key, source)
 
 
 def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: GenSpec,

@@ -69,6 +69,38 @@ def _by_pair(tables: list[Generated]) -> dict:
                                table.column("worker").to_pylist())))
 
 
+def _export_here(key: str, source: str) -> str:
+    """``export_tail_task`` run off the worker that paused ``key``: what it does."""
+    from distributed import Reschedule
+
+    from rlhfless.pipeline.tail_tasks import TailLost
+
+    try:
+        export_tail_task(key, source)
+    except Reschedule:
+        return "rescheduled"
+    except TailLost:
+        return "lost"
+    return "exported"
+
+
+def test_an_export_stolen_off_its_live_source_goes_back_to_it(cluster, eos_model_dir):
+    """Work stealing may move a loosely pinned export to a worker that does not hold the
+    tail: while the source lives the task is rescheduled (not lost, so its KV still moves);
+    only a source gone from the cluster makes it ``TailLost``."""
+    shard, spec, weights, addrs = _setup(cluster, eos_model_dir, greedy=True)
+    c = cluster.client
+    c.submit(generate_chunk_task, shard, weights, spec, 0, 0.3, "stolen", workers=[addrs[0]],
+             pure=False).result()
+    for source, expected in ((addrs[0], "rescheduled"), (addrs[1], "lost"),
+                             ("tcp://127.0.0.1:9", "lost")):
+        assert c.submit(_export_here, "stolen", source, workers=[addrs[1]],
+                        pure=False).result() == expected
+    sent = c.submit(export_tail_task, "stolen", addrs[0], workers=[addrs[0]],
+                    allow_other_workers=True, pure=False).result()
+    assert sent.n_sequences > 0  # still there: nothing ran it off its source
+
+
 def _move(c, key: str, src: str, dst: str, weights, spec, new_key: str):
     """Export on ``src``, adopt on ``dst``; the tail's data goes worker to worker."""
     sent = c.submit(export_tail_task, key, workers=[src], pure=False, key=f"export-{new_key}")
