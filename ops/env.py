@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from .reward import VERIFIERS
-from .tools import SandboxLimits, Tool, call_tool, parse_tool_calls, run_python
+from .sandbox import SandboxLimits, run_python
+from .tools import Tool, call_tool, parse_tool_calls
 
 BUILTIN_ENVIRONMENTS = {
     "python": "rlhfless.ops.env:PythonToolEnv",
@@ -128,8 +129,8 @@ class ToolEnvironment(Environment):
 
 class PythonToolEnv(ToolEnvironment):
     """A ``python`` tool that runs code in a sandbox directory of its own per episode
-    (``ops/tools.run_python``: CPU, memory, time and write limits, no network); the final
-    answer is checked with the math verifier."""
+    (``ops/sandbox.run_python``: its own namespaces as uid 65534, limits on its process
+    tree); the final answer is checked with the math verifier."""
 
     verifier = "math"
 

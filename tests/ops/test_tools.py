@@ -1,7 +1,8 @@
 """Tool calls in the OpenAI function style, and the sandboxed Python tool (ops/tools.py).
 
 The sandbox tests run real child processes. Writes outside the sandbox are refused only
-where the kernel has Landlock; the test says so (skip) rather than pass without it."""
+where bubblewrap or Landlock works; the test says so (skip) rather than pass without it.
+What hostile code cannot do is in test_hostile_tool.py."""
 
 from __future__ import annotations
 
@@ -10,15 +11,9 @@ import json
 import pytest
 
 from rlhfless.ops.env import PythonToolEnv, StepResult, check_step, resolve_environment
+from rlhfless.ops.sandbox import SandboxLimits, run_python
 from rlhfless.ops.tinytool import TallyToolEnv, box_items, tool_call
-from rlhfless.ops.tools import (
-    SandboxLimits,
-    Tool,
-    ToolCall,
-    call_tool,
-    parse_tool_calls,
-    run_python,
-)
+from rlhfless.ops.tools import Tool, ToolCall, call_tool, parse_tool_calls
 
 
 def test_tool_calls_parse_and_errors_go_back_to_the_model():
@@ -73,8 +68,8 @@ def test_python_tool_runs_code_and_gets_its_limits(tmp_path):
 def test_python_tool_cannot_write_outside_its_sandbox(tmp_path):
     outside = tmp_path / "outside.txt"
     out = run_python(f"open({str(outside)!r}, 'w').write('escaped')", tmp_path / "box")
-    if out.enforced.get("writes") != "landlock":
-        pytest.skip("this kernel has no Landlock: writes outside the sandbox are not prevented")
+    if out.enforced.get("writes") not in ("landlock", "tmpfs"):
+        pytest.skip("neither namespaces nor Landlock here: writes outside are not prevented")
     assert not outside.exists() and "PermissionError" in out.stderr
     mkdir = run_python(f"import os\nos.mkdir({str(tmp_path / 'd')!r})", tmp_path / "box")
     assert mkdir.returncode != 0 and not (tmp_path / "d").exists()
