@@ -135,9 +135,11 @@ class PythonToolEnv(ToolEnvironment):
     verifier = "math"
 
     def __init__(self, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 512,
+                 disk_mb: int = 64, processes: int = 64,
                  sandbox_root: str | None = None) -> None:
         super().__init__()
-        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20)
+        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20,
+                                    disk_bytes=disk_mb * 2**20, processes=processes)
         self.sandbox = tempfile.mkdtemp(prefix="rlhfless-sandbox-", dir=sandbox_root)
 
     def tools(self) -> list[Tool]:

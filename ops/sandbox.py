@@ -219,24 +219,33 @@ def _read_bounded(pipes: dict[int, int], deadline: float) -> tuple[dict[int, byt
     return {fd: bytes(b) for fd, b in kept.items()}, not open_fds
 
 
-def _unpack(stream: bytes, home: Path) -> None:
+def _unpack(stream: bytes, home: Path) -> bool:
     """Replace ``home``'s contents by the regular files and directories of the tar
-    ``stream``; names that leave the directory, links and devices are skipped."""
+    ``stream``; names that leave the directory, links and devices are skipped. False (and
+    ``home`` untouched) when the stream is not a whole tar."""
+    entries: list[tuple[tuple[str, ...], bytes | None]] = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(stream), mode="r|") as tar:
+            for member in tar:
+                parts = Path(member.name).parts
+                if parts and not member.name.startswith("/") and ".." not in parts:
+                    if member.isdir():
+                        entries.append((parts, None))
+                    elif member.isfile():
+                        entries.append((parts, tar.extractfile(member).read()))
+    except tarfile.TarError:
+        return False
     for child in home.iterdir():
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-    with tarfile.open(fileobj=io.BytesIO(stream), mode="r|") as tar:
-        for member in tar:
-            parts = Path(member.name).parts
-            if not parts or member.name.startswith("/") or ".." in parts:
-                continue
-            target = home.joinpath(*parts)
-            if member.isdir():
-                target.mkdir(mode=0o700, exist_ok=True)
-            elif member.isfile() and target.parent.is_dir() and not target.parent.is_symlink():
-                source = tar.extractfile(member)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    shutil.copyfileobj(source, out)
+    for parts, data in entries:
+        target = home.joinpath(*parts)
+        if data is None:
+            target.mkdir(mode=0o700, exist_ok=True)
+        elif target.parent.is_dir() and not target.parent.is_symlink():
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+    return True
 
 
 def _pack(home: Path) -> int:
@@ -269,8 +278,8 @@ def _run_bwrap(home: Path, limits: SandboxLimits) -> SandboxResult:
         os.close(files_in)
     cut = limits.output_chars
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    got, done = _read_bounded({out_fd: 4 * cut, err_fd: 4 * cut,
-                               files_r: STATUS_BYTES + 2 * limits.disk_bytes + 2**20},
+    files_cap = STATUS_BYTES + 2 * limits.disk_bytes + 2**20  # tar headers of small files
+    got, done = _read_bounded({out_fd: 4 * cut, err_fd: 4 * cut, files_r: files_cap},
                               deadline + GRACE_S)
     os.killpg(proc.pid, signal.SIGKILL)  # bwrap: with it goes the PID namespace's init
     proc.wait()
@@ -281,16 +290,17 @@ def _run_bwrap(home: Path, limits: SandboxLimits) -> SandboxResult:
     os.close(files_r)
     status_line, _, tar = got[files_r].partition(b"\n")
     status = json.loads(status_line) if done and status_line.startswith(b"{") else None
-    if status is not None:
-        _unpack(tar, home)
+    stderr = got[err_fd].decode(errors="replace")[:cut]
+    if status is not None and not (len(got[files_r]) < files_cap and _unpack(tar, home)):
+        lost = "\nerror: the sandbox's files were too many to keep; it is as before the call"
+        stderr = stderr[: cut - len(lost)] + lost
     root = os.geteuid() == 0
     enforced = {"sandbox": "bubblewrap", "user": str(NOBODY) if root else
                 f"{NOBODY} in a user namespace (uid {os.getuid()} outside)",
                 "network": "namespace", "writes": "tmpfs",
                 "limits": "cgroup" if group else "rlimit"}
     timed_out = status is None or status["timed_out"]
-    return SandboxResult(got[out_fd].decode(errors="replace")[:cut],
-                         got[err_fd].decode(errors="replace")[:cut],
+    return SandboxResult(got[out_fd].decode(errors="replace")[:cut], stderr,
                          None if timed_out else status["returncode"], timed_out, enforced)
 
 
