@@ -393,7 +393,11 @@ def _run_landlocked(home: Path, limits: SandboxLimits) -> SandboxResult:
     cut = limits.output_chars
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     got, _ = _read_bounded({out_fd: 4 * cut, err_fd: 4 * cut + STATUS_BYTES}, deadline)
-    timed_out = proc.poll() is None
+    try:
+        proc.wait(max(0.0, deadline - time.monotonic()))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

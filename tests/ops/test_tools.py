@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 
+from rlhfless.ops import sandbox
 from rlhfless.ops.env import PythonToolEnv, StepResult, check_step, resolve_environment
 from rlhfless.ops.sandbox import SandboxLimits, run_python
 from rlhfless.ops.tinytool import TallyToolEnv, box_items, tool_call
@@ -96,3 +98,16 @@ def test_python_environment_episode(tmp_path):
     assert env.step("The answer is \\boxed{12}") == StepResult("", 1.0, True)
     env.close()
     assert list(tmp_path.iterdir()) == []  # the sandbox went with the episode
+
+
+def test_the_fallback_layer_runs_and_says_so(tmp_path, monkeypatch):
+    """Where bubblewrap cannot run: the Landlock/rlimit layer, named in ``enforced``, and a
+    child holding the output pipe does not hold the call past its wall limit."""
+    monkeypatch.setattr(sandbox, "_PROBE", [False])
+    out = run_python("print(sum(range(10)))", tmp_path / "box")
+    assert out.stdout == "45\n" and out.returncode == 0 and out.enforced["sandbox"] == "landlock"
+    held = ("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(5)'], start_new_session=True)")
+    start = time.monotonic()
+    run_python(held, tmp_path / "box", SandboxLimits(wall_s=1))
+    assert time.monotonic() - start <= 1 + 1.0  # the wall limit, plus the 1 s allowed
