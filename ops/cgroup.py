@@ -55,6 +55,13 @@ class Cgroup:
 
     @classmethod
     def make(cls, memory_bytes: int, processes: int) -> Cgroup | None:
+        try:
+            return cls._make(memory_bytes, processes)
+        except (OSError, ValueError):  # no cgroup file system we can read or write
+            return None
+
+    @classmethod
+    def _make(cls, memory_bytes: int, processes: int) -> Cgroup | None:
         mounts, own = _mounts(), _own()
         name = f"rlhfless-tool-{os.getpid()}-{next(_SERIAL)}"
 

@@ -62,7 +62,7 @@ STATUS_BYTES = 4096  # the bootstrap's status line on the files pipe
 class SandboxLimits:
     wall_s: float = 5.0
     cpu_s: int = 2  # per process
-    memory_bytes: int = 512 * 2**20  # the whole tree with a cgroup, else per process
+    memory_bytes: int = 512 * 2**20  # per process; with a cgroup also the whole tree
     file_bytes: int = 2**20  # largest file the code may write
     disk_bytes: int = 64 * 2**20  # all files in the sandbox directory together
     processes: int = 64  # the whole tree

@@ -204,3 +204,20 @@ def test_no_child_outlives_the_call_or_holds_it(box, holds_pipe):
 def test_a_sleep_returns_at_the_wall_limit(box):
     out = _timed("import time\ntime.sleep(30)", box, SandboxLimits(wall_s=1))
     assert out.timed_out and out.returncode is None
+
+
+def test_files_come_back_but_links_out_do_not(box, run_dir):
+    key = run_dir / "r" / "tls" / "node.key"
+    code = "\n".join([
+        "import os",
+        "os.makedirs('d/e')",
+        "open('d/e/kept.txt', 'w').write('kept')",
+        f"os.symlink({str(key)!r}, 'key-link')",
+        "os.symlink('/', 'root-link')",
+    ])
+    out = _timed(code, box, SandboxLimits())
+    assert out.returncode == 0, out
+    assert (box / "d" / "e" / "kept.txt").read_text() == "kept"
+    assert not any(p.is_symlink() for p in box.rglob("*"))
+    again = _timed("print(open('d/e/kept.txt').read())", box, SandboxLimits())
+    assert again.stdout == "kept\n"
