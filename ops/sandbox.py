@@ -100,12 +100,13 @@ if os.getuid() == 0:
 assert os.getuid() == {NOBODY} and os.getgid() == {NOBODY}
 """
 # Then PID 1 of the sandbox (the kernel ignores signals from the code to it): unpacks the files
-# (a tar in a memory file), runs the code with its rlimits, kills every other process of
-# the namespace at the deadline, then writes its status line and a tar of /sandbox to the
-# files pipe, which the code does not inherit and, this process being non-dumpable, cannot
-# open through /proc.
+# (a tar in a memory file), runs the code with its rlimits in a forked child (one
+# interpreter start, not two), kills every other process of the namespace when the code
+# ends or at the deadline, then writes its status line and a tar of /sandbox to the files
+# pipe, which the code does not inherit and, this process being non-dumpable, cannot open
+# through /proc.
 _INIT = r"""
-import ctypes, json, resource, subprocess, sys, tarfile, time
+import ctypes, json, resource, select, sys, tarfile, time
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 files_in, files_out, deadline, nproc, cpu, mem, fsize, nofile = json.loads(sys.argv[1])
 for fd in os.listdir("/proc/self/fd"):
@@ -119,12 +120,18 @@ def limit():
                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
         if n is not None:
             resource.setrlimit(res, (n, n + 1 if res == resource.RLIMIT_CPU else n))
-code = subprocess.Popen([sys.executable, "-I", "main.py"], preexec_fn=limit,
-                        stdin=subprocess.DEVNULL)
-try:
-    rc, timed_out = code.wait(max(0.0, deadline - time.monotonic())), False
-except subprocess.TimeoutExpired:
-    rc, timed_out = None, True
+source = open("main.py").read()
+pid = os.fork()
+if pid == 0:  # the code: dumpable again (its own /proc is its own), no files pipe
+    os.close(files_out)
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
+    limit()
+    sys.argv = ["main.py"]
+    exec(compile(source, "main.py", "exec"), {"__name__": "__main__"})
+    sys.exit(0)
+exited = select.select([os.pidfd_open(pid)], [], [], max(0.0, deadline - time.monotonic()))[0]
+rc, timed_out = (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), False) if exited else \
+    (None, True)
 try:
     os.kill(-1, 9)
 except ProcessLookupError:
