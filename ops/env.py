@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from .reward import VERIFIERS
-from .tools import SandboxLimits, Tool, call_tool, parse_tool_calls, run_python
+from .sandbox import SandboxLimits, run_python
+from .tools import Tool, call_tool, parse_tool_calls
 
 BUILTIN_ENVIRONMENTS = {
     "python": "rlhfless.ops.env:PythonToolEnv",
@@ -128,15 +129,17 @@ class ToolEnvironment(Environment):
 
 class PythonToolEnv(ToolEnvironment):
     """A ``python`` tool that runs code in a sandbox directory of its own per episode
-    (``ops/tools.run_python``: CPU, memory, time and write limits, no network); the final
-    answer is checked with the math verifier."""
+    (``ops/sandbox.run_python``: its own namespaces as uid 65534, limits on its process
+    tree); the final answer is checked with the math verifier."""
 
     verifier = "math"
 
     def __init__(self, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 512,
+                 disk_mb: int = 64, processes: int = 64,
                  sandbox_root: str | None = None) -> None:
         super().__init__()
-        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20)
+        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20,
+                                    disk_bytes=disk_mb * 2**20, processes=processes)
         self.sandbox = tempfile.mkdtemp(prefix="rlhfless-sandbox-", dir=sandbox_root)
 
     def tools(self) -> list[Tool]:

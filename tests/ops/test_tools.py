@@ -1,24 +1,22 @@
 """Tool calls in the OpenAI function style, and the sandboxed Python tool (ops/tools.py).
 
 The sandbox tests run real child processes. Writes outside the sandbox are refused only
-where the kernel has Landlock; the test says so (skip) rather than pass without it."""
+where bubblewrap or Landlock works; the test says so (skip) rather than pass without it.
+What hostile code cannot do is in test_hostile_tool.py."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
+from rlhfless.ops import sandbox
 from rlhfless.ops.env import PythonToolEnv, StepResult, check_step, resolve_environment
+from rlhfless.ops.sandbox import SandboxLimits, run_python
 from rlhfless.ops.tinytool import TallyToolEnv, box_items, tool_call
-from rlhfless.ops.tools import (
-    SandboxLimits,
-    Tool,
-    ToolCall,
-    call_tool,
-    parse_tool_calls,
-    run_python,
-)
+from rlhfless.ops.tools import Tool, ToolCall, call_tool, parse_tool_calls
 
 
 def test_tool_calls_parse_and_errors_go_back_to_the_model():
@@ -65,17 +63,28 @@ def test_python_tool_runs_code_and_gets_its_limits(tmp_path):
     big = run_python("x = bytearray(2 * 2**30)", tmp_path / "box",
                      SandboxLimits(memory_bytes=256 * 2**20))
     assert "MemoryError" in big.stderr
-    net = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)",
-                     tmp_path / "box")
-    assert net.returncode != 0 and net.enforced["network"] != "none"
+
+
+def test_python_tool_cannot_reach_a_listening_port(tmp_path):
+    """A real listener outside the sandbox: a tool sharing the host's network connects."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        code = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                "print('connected')")
+        net = run_python(code, tmp_path / "box")
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # no connection is waiting
+    assert net.returncode != 0 and "connected" not in net.stdout, net
 
 
 def test_python_tool_cannot_write_outside_its_sandbox(tmp_path):
     outside = tmp_path / "outside.txt"
     out = run_python(f"open({str(outside)!r}, 'w').write('escaped')", tmp_path / "box")
-    if out.enforced.get("writes") != "landlock":
-        pytest.skip("this kernel has no Landlock: writes outside the sandbox are not prevented")
-    assert not outside.exists() and "PermissionError" in out.stderr
+    if out.enforced.get("writes") not in ("landlock", "tmpfs"):
+        pytest.skip("neither namespaces nor Landlock here: writes outside are not prevented")
+    refused = ("PermissionError", "FileNotFoundError")  # Landlock; not in the sandbox's view
+    assert not outside.exists() and any(e in out.stderr for e in refused), out
     mkdir = run_python(f"import os\nos.mkdir({str(tmp_path / 'd')!r})", tmp_path / "box")
     assert mkdir.returncode != 0 and not (tmp_path / "d").exists()
 
@@ -89,3 +98,16 @@ def test_python_environment_episode(tmp_path):
     assert env.step("The answer is \\boxed{12}") == StepResult("", 1.0, True)
     env.close()
     assert list(tmp_path.iterdir()) == []  # the sandbox went with the episode
+
+
+def test_the_fallback_layer_runs_and_says_so(tmp_path, monkeypatch):
+    """Where bubblewrap cannot run: the Landlock/rlimit layer, named in ``enforced``, and a
+    child holding the output pipe does not hold the call past its wall limit."""
+    monkeypatch.setattr(sandbox, "_PROBE", [False])
+    out = run_python("print(sum(range(10)))", tmp_path / "box")
+    assert out.stdout == "45\n" and out.returncode == 0 and out.enforced["sandbox"] == "landlock"
+    held = ("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(5)'], start_new_session=True)")
+    start = time.monotonic()
+    run_python(held, tmp_path / "box", SandboxLimits(wall_s=1))
+    assert time.monotonic() - start <= 1 + 1.0  # the wall limit, plus the 1 s allowed
