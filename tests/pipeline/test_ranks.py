@@ -27,7 +27,7 @@ from rlhfless.ops.parallel import (
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline import checkpoint as ckpt
-from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
+from rlhfless.pipeline.ranks import form_group, on_ranks, store_dir, this_rank
 from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 from rlhfless.pipeline.zarr_state import get_tensors
 
@@ -130,16 +130,18 @@ def restore_full(model_dir, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(tmp_path_factory):
     with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                        dashboard_address=":0", resources={"TRAIN": 1}) as cluster,
           Client(cluster) as c):
+        c.stores = store_dir(tmp_path_factory.mktemp("run"))  # the run's rendezvous stores
         yield c
 
 
 def group_of(client: Client, world: int, parallel: str) -> list[str]:
     workers = sorted(client.scheduler_info()["workers"])
-    return form_group(client, workers[:world], workers, "cpu", parallel, leave_trainer_task)
+    return form_group(client, workers[:world], workers, "cpu", parallel, leave_trainer_task,
+                      client.stores)
 
 
 def test_split_rows_keeps_groups_whole_and_balances_tokens():
