@@ -62,9 +62,12 @@ def store_dir(run_path: str | Path) -> Path:
 def interface_of(host: str) -> str | None:
     """The name of the network interface that holds ``host``'s address, if one does."""
     try:
-        address = ipaddress.ip_address(socket.gethostbyname(host))
-    except (OSError, ValueError):
-        return None
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        try:
+            address = ipaddress.ip_address(socket.gethostbyname(host))
+        except (OSError, ValueError):
+            return None
     for name, addresses in psutil.net_if_addrs().items():
         for a in addresses:
             if a.family in (socket.AF_INET, socket.AF_INET6):

@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 
+import psutil
 import pyarrow as pa
 import pytest
 import torch
@@ -33,7 +34,7 @@ from rlhfless.ops.parallel import (
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline import checkpoint as ckpt
-from rlhfless.pipeline.ranks import form_group, on_ranks, store_dir, this_rank
+from rlhfless.pipeline.ranks import form_group, interface_of, on_ranks, store_dir, this_rank
 from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 from rlhfless.pipeline.zarr_state import get_tensors
 
@@ -292,6 +293,13 @@ def test_the_rendezvous_is_private_and_nothing_listens_beyond_loopback(client):
                         ["ls", str(client.stores)]):
             other = as_nobody(*command)
             assert other.returncode != 0 and b"Permission denied" in other.stderr, command
+
+
+def test_collectives_bind_to_the_interface_that_holds_the_address():
+    loopback = interface_of("127.0.0.1")
+    held = {a.address for a in psutil.net_if_addrs()[loopback]}
+    assert "127.0.0.1" in held and interface_of("localhost") == loopback
+    assert interface_of("192.0.2.1") is None  # TEST-NET-1: no interface holds it
 
 
 def this_rank_number() -> int:
