@@ -47,7 +47,7 @@ from rlhfless.ops.parallel import Ranks, inner, local_part, wrap_model
 from rlhfless.ops.publish import publish_weights
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
-from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
+from rlhfless.pipeline.ranks import form_group, on_ranks, store_dir, this_rank
 from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 
 PARAMS = UpdateParams(lr=1e-4, micro_batch_tokens=1024)
@@ -189,7 +189,8 @@ def main() -> None:
                             workers=[workers[0]], pure=False).result()
         variants = {"1_rank": one}
         for parallel in ("fsdp", "ddp"):
-            members = form_group(client, workers, workers, "cpu", parallel, leave_trainer_task)
+            members = form_group(client, workers, workers, "cpu", parallel, leave_trainer_task,
+                                 store_dir(tmp))
             per_rank = on_ranks(run_updates, model_dir, batch, True, args.updates,
                                 client=client, members=members)
             variants[f"2_ranks_{parallel}"] = max(per_rank, key=lambda r: r["peak"])

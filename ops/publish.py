@@ -25,6 +25,20 @@ from safetensors.torch import load_file, save_file
 from .lora import is_adapter, trainable_state
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets one to read it, and
+    a file another thread made meanwhile would get that one)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)  # no /proc: the strictest in the meantime
+    os.umask(mask)
+    return mask
+
+
 @dataclass(frozen=True)
 class WeightsRef:
     """Where version ``version`` of the policy lives; small enough to travel in a graph."""
@@ -59,6 +73,7 @@ def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: in
             seen[ptr] = name
     adapter = bool(state) and all(is_adapter(n) for n in state)
     save_file(state, str(tmp), metadata={"version": str(version), "adapter": str(int(adapter))})
+    tmp.chmod(0o666 & ~process_umask())  # safetensors makes it 0600 whatever the umask
     os.replace(tmp, final)
     for old in sorted(store.glob("v*.safetensors"), key=_version_of)[:-keep]:
         old.unlink(missing_ok=True)

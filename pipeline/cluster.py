@@ -195,7 +195,8 @@ class PoolCluster:
 
     @property
     def dashboard_link(self) -> str:
-        return self.cluster.dashboard_link
+        """The dashboard's address; empty when the deployment serves none."""
+        return self.cluster.dashboard_link if self.deployment.dashboard else ""
 
     def close(self) -> None:
         self.sync_events()

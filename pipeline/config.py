@@ -145,7 +145,9 @@ class Config:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     worker_memory: str = "4GiB"
     scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
-    dashboard_address: str = "127.0.0.1:0"
+    dashboard: bool = False  # serve Dask's dashboard: plain HTTP any local user can read
+    dashboard_address: str = "127.0.0.1:0"  # where it listens when dashboard = true
+    run_umask: int = 0o077  # files of a run 0600, its dirs 0700; 0o022 shares them read-only
     security: dict[str, Any] = field(default_factory=dict)  # [security]: TLS (security.py)
     # batch jobs (cluster = "slurm" | "pbs"): one job per worker, per-pool directives
     queue: str = ""  # Slurm partition / PBS queue; empty: the site's default
@@ -214,6 +216,10 @@ class Config:
                            ("max_recoveries", 0)):
             if getattr(self, key) < least:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= {least}")
+        if not 0 <= self.run_umask <= 0o077:
+            raise ConfigError(f"run_umask = {self.run_umask:#o} must be a umask from 0o000 to "
+                              "0o077 (the run's own user must keep reading and writing its "
+                              "files), e.g. 0o077 (private) or 0o022 (readable by all)")
         try:
             check_security(self.security)
         except ValueError as err:

@@ -33,10 +33,12 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dask
 from dask.utils import parse_bytes, parse_timedelta
 from distributed import LocalCluster, Nanny, SpecCluster
 from distributed.security import Security
@@ -44,6 +46,7 @@ from distributed.security import Security
 from rlhfless.schedulers.dask_plugin import pool_of
 
 from .config import Config, walltime_seconds
+from .observe import install_sitemap
 from .security import make_security
 
 # what every worker of every pool is told through its environment
@@ -68,6 +71,17 @@ class Pool:
     memory: str = "4GiB"
     gpus: int = 0  # GPUs per worker: a batch job asks for them (--gres=gpu:N / ngpus=N)
     directives: tuple[str, ...] = ()  # extra batch-job directives of this pool
+
+
+def scheduler_http(dashboard: bool) -> AbstractContextManager:
+    """Dask's config for a scheduler made in the block (in this process): with the dashboard,
+    distributed's pages and a ``/sitemap.json`` that no longer raises on the dashboard's
+    routes (``observe.Sitemap``); without it, the HTTP server (Dask always starts one, on
+    ``dashboard_address``) answers its health check only."""
+    if dashboard:
+        install_sitemap()
+        return nullcontext()
+    return dask.config.set({"distributed.scheduler.http.routes": ["distributed.http.health"]})
 
 
 class PoolScaling:
@@ -114,6 +128,8 @@ class Deployment(ABC):
 
     #: seconds ``PoolCluster.grow`` waits for requested workers to connect (None: forever)
     start_timeout_s: float | None = None
+    #: whether the scheduler serves Dask's dashboard (config ``dashboard``)
+    dashboard: bool = False
     #: whether a worker that left unasked comes back by itself (a nanny restarts a crashed
     #: local worker; a batch job that ended, at its walltime or lifetime, does not)
     restarts_workers: bool = True
@@ -147,12 +163,15 @@ class LocalDeployment(Deployment):
     dashboard_address: str = "127.0.0.1:0"
     security: Security | None = None  # TLS of scheduler, workers and client (security.py)
     start_timeout_s: float | None = 300.0  # a local worker not connected by then is an error
+    dashboard: bool = False  # serve the scheduler's dashboard (scheduler_http)
 
     def make_cluster(self, plugins: list) -> PoolScaling:
-        return PoolLocalCluster(n_workers=0, processes=True, host=self.host,
-                            dashboard_address=self.dashboard_address, security=self.security,
-                            silence_logs=logging.WARNING,
-                            scheduler_kwargs={"plugins": plugins})
+        with scheduler_http(self.dashboard):
+            return PoolLocalCluster(n_workers=0, processes=True, host=self.host,
+                                    dashboard_address=self.dashboard_address,
+                                    security=self.security, silence_logs=logging.WARNING,
+                                    scheduler_kwargs={"plugins": plugins,
+                                                      "dashboard": self.dashboard})
 
     def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
         return {"cls": PoolNanny, "options": {
@@ -185,6 +204,8 @@ class JobSettings:
     dashboard_address: str = "127.0.0.1:0"
     python: str = field(default=sys.executable)
     start_timeout_s: float = 600.0
+    umask: int = 0o077  # of every job's shell, so that its worker writes as the driver does
+    dashboard: bool = False  # serve the scheduler's dashboard (scheduler_http)
 
     def __post_init__(self) -> None:
         if self.system not in JOB_SYSTEMS:
@@ -205,6 +226,7 @@ class JobQueueDeployment(Deployment):
         self.prefix = job_name_prefix
         self.security = security  # file-based: its paths go on the worker command line
         self.start_timeout_s = settings.start_timeout_s
+        self.dashboard = settings.dashboard
 
     def _jobqueue(self):
         try:
@@ -246,7 +268,8 @@ class JobQueueDeployment(Deployment):
             "job_name": f"{self.prefix}-{pool.name}",
             "job_extra_directives": list(pool.directives),
             "worker_extra_args": worker_args,
-            "job_script_prologue": [f"export {k}={v}" for k, v in env.items()] + list(s.prologue),
+            "job_script_prologue": [f"umask {s.umask:03o}",
+                                    *(f"export {k}={v}" for k, v in env.items()), *s.prologue],
             "python": s.python,
         }
         if self.security is not None:
@@ -272,15 +295,16 @@ class JobQueueDeployment(Deployment):
         cluster_cls = type(f"Pool{jobs_cls.__name__}", (PoolScaling, jobs_cls), {})
         s = self.settings
         scheduler: dict[str, Any] = {"dashboard_address": s.dashboard_address,
-                                     "plugins": plugins}
+                                     "dashboard": s.dashboard, "plugins": plugins}
         if s.interface:
             scheduler["interface"] = s.interface
         else:
             scheduler["host"] = s.scheduler_host
         # cores/memory here only validate the template; every pool brings its own
-        return cluster_cls(cores=1, memory="1GiB", processes=1, walltime=s.walltime,
-                           scheduler_options=scheduler, silence_logs=logging.WARNING,
-                           python=s.python, security=self.security)
+        with scheduler_http(s.dashboard):
+            return cluster_cls(cores=1, memory="1GiB", processes=1, walltime=s.walltime,
+                               scheduler_options=scheduler, silence_logs=logging.WARNING,
+                               python=s.python, security=self.security)
 
     def worker_spec(self, pool: Pool, name: str) -> dict[str, Any]:
         _, job_cls = self._classes()
@@ -304,12 +328,14 @@ def deployment_from_config(cfg: Config, run_path: str | Path) -> Deployment:
     credentials are the run's own, in ``<run>/tls``, unless ``[security]`` says otherwise."""
     security = make_security(cfg.security, run_path)
     if cfg.cluster == "local":
-        return LocalDeployment(cfg.scheduler_host, cfg.dashboard_address, security)
+        return LocalDeployment(cfg.scheduler_host, cfg.dashboard_address, security,
+                               dashboard=cfg.dashboard)
     settings = JobSettings(
         system=cfg.cluster, queue=cfg.queue, account=cfg.account, walltime=cfg.walltime,
         lifetime=cfg.worker_lifetime, prologue=tuple(cfg.job_prologue),
         log_directory=str(Path(run_path).resolve() / "jobs"),
         scheduler_host=cfg.scheduler_host, interface=cfg.interface,
-        dashboard_address=cfg.dashboard_address, start_timeout_s=cfg.job_start_timeout_s)
+        dashboard_address=cfg.dashboard_address, start_timeout_s=cfg.job_start_timeout_s,
+        umask=cfg.run_umask, dashboard=cfg.dashboard)
     return JobQueueDeployment(settings, job_name_prefix=f"rlhfless-{cfg.name}",
                               security=security)

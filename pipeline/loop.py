@@ -35,7 +35,7 @@ from .inputs import check_inputs
 from .modes import ModeRunner, mode_specs
 from .observe import observed
 from .recovery import Durable, open_run
-from .runs import RunDir
+from .runs import RunDir, umask
 from .sampler import PromptSampler
 from .specs import load_prompt_sets, make_specs, resolve_model
 
@@ -46,12 +46,13 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
     ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
     ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
     The run directory is locked by this call while it runs (runs.py)."""
-    check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
-    run = open_run(cfg, overwrite=overwrite, resume=resume)
-    try:
-        _train_in(run, cfg, progress, log, on_metrics, resume)
-    finally:
-        run.release()
+    with umask(cfg.run_umask):  # what the run and its local workers write (runs.py)
+        check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
+        run = open_run(cfg, overwrite=overwrite, resume=resume)
+        try:
+            _train_in(run, cfg, progress, log, on_metrics, resume)
+        finally:
+            run.release()
     return run
 
 
@@ -70,7 +71,8 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     deployment = deployment_from_config(cfg, run.path)
     with (PoolCluster(pools, ledger, deployment=deployment) as pc,
           observed(run, pc.dashboard_link, on_metrics)):
-        log(f"dashboard: {pc.dashboard_link}")
+        if pc.dashboard_link:
+            log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
         eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)

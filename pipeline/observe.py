@@ -10,6 +10,11 @@
   scalars under ``<run>/tb``: tag ``<event>/<key>`` (``iteration/reward_mean``,
   ``eval/heldout_accuracy``), step = the record's iteration. Without tensorboard nothing is
   written and nothing is said.
+
+The dashboard is off unless ``dashboard = true`` (plain HTTP with no authentication: any user
+of the host may read it), and then the run says where it listens. ``install_sitemap`` mends
+distributed's ``/sitemap.json``, which raised on the dashboard's static routes and printed a
+traceback into the run's output at any local user's request.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import distributed.http.routing
+from tornado.routing import PathMatches, RuleRouter
 
 from .runs import RunDir
 
@@ -56,6 +64,39 @@ def tensorboard_listener(run: RunDir) -> TensorBoardListener | None:
         return TensorBoardListener(run.path / "tb")
     except ImportError:
         return None
+
+
+def _paths(router: RuleRouter, seen: set, out: set[str]) -> None:
+    """The path patterns of ``router``'s rules and of the routers below it."""
+    if router in seen:
+        return
+    seen.add(router)
+    for rule in [*router.named_rules.values(), *router.rules]:
+        if isinstance(rule.matcher, PathMatches):
+            out.add(rule.matcher.regex.pattern.rstrip("$"))
+        if isinstance(rule.target, RuleRouter):
+            _paths(rule.target, seen, out)
+
+
+class Sitemap(distributed.http.routing.DirectoryHandler):
+    """``/sitemap.json``: every route's path pattern (distributed's own listed the files
+    behind static routes and raised on those that name none, as the dashboard's do)."""
+
+    def get(self) -> None:
+        out: set[str] = set()
+        seen: set = set()
+        for app in [*self.application.applications, self.application]:
+            if hasattr(app, "app_paths"):  # bokeh's application
+                out.update(app.app_paths)
+            else:
+                _paths(app.default_router, seen, out)
+                _paths(app.wildcard_router, seen, out)
+        self.write({"paths": sorted(out)})
+
+
+def install_sitemap() -> None:
+    """Serve ``Sitemap`` from every HTTP server this process starts from now on."""
+    distributed.http.routing.DirectoryHandler = Sitemap
 
 
 @contextmanager

@@ -5,10 +5,18 @@ the group (``form_group``) when a run starts and again whenever it recovers:
 
     leave_task         on every trainer worker (``trainer_tasks.leave_trainer_task``): drop its
                        trainer and its old group (``leave_group``), if any
-    rendezvous_task    on the first trainer worker: a TCPStore on a port the OS picks now
-                       (never a fixed port), on the worker's own host; returns (host, port)
     join_group_task    on every member at once: init_process_group (gloo on CPU, NCCL on
-                       CUDA) through that store; rank = the member's place in the list
+                       CUDA) through the group's rendezvous store; rank = the member's place
+                       in the list
+
+The rendezvous store is a ``torch.distributed.FileStore``: a new file of the run's private
+``ranks/`` directory (0700, made by ``store_dir``) for each group, so nothing listens for it
+and only the run's Unix user can read or set its keys (a ``TCPStore`` would listen on every
+interface and answer anyone). The ranks must share that file system: the run directory, as
+they share it for checkpoints (batch jobs: the shared file system their TLS files are on).
+The collectives' own sockets (gloo's pairs, NCCL's bootstrap) bind to the interface of the
+member's Dask address (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless set): loopback
+for a local cluster, the configured ``interface`` for batch jobs.
 
 Tasks of one update or publish reach every rank through ``on_ranks``: one task per member,
 pinned to its address, the calling rank's own part run in place. Graph tasks that need the
@@ -22,12 +30,16 @@ forms a new group over the pool and restores the last checkpoint on every rank.
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 import socket
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import psutil
 import torch
 import torch.distributed as dist
 from distributed import Client, get_client, get_worker, wait
@@ -35,12 +47,45 @@ from distributed import Client, get_client, get_worker, wait
 from rlhfless.ops.parallel import Ranks
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective waiting longer on a peer fails (a lost rank)
-_GROUP: dict[str, Any] = {}  # this process: "ranks", "members", "store" (rendezvous host)
+_GROUP: dict[str, Any] = {}  # this process: "ranks", "members", "store"
+STORE_PREFIX = "store-"  # a group's FileStore in the run's ranks/ directory
 
 
-def _worker_host() -> str:
+def store_dir(run_path: str | Path) -> Path:
+    """The run's directory of rendezvous stores, 0700 whatever the run's umask."""
+    path = Path(run_path) / "ranks"
+    path.mkdir(mode=0o700, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds ``host``'s address, if one does."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        try:
+            address = ipaddress.ip_address(socket.gethostbyname(host))
+        except (OSError, ValueError):
+            return None
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    if ipaddress.ip_address(a.address.split("%")[0]) == address:
+                        return name
+                except ValueError:
+                    continue
+    return None
+
+
+def _bind_collectives() -> None:
+    """Have gloo and NCCL listen on the interface of this worker's Dask address."""
     host = urlparse(get_worker().address).hostname
-    return host or socket.gethostname()
+    name = interface_of(host) if host else None
+    if name is not None:
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(key, name)
 
 
 def backend_for(device: str) -> str:
@@ -50,20 +95,14 @@ def backend_for(device: str) -> str:
     return "gloo"
 
 
-def rendezvous_task() -> tuple[str, int]:
-    """Open the group's store on this worker, on a free port chosen by the OS."""
-    store = dist.TCPStore(_worker_host(), 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    _GROUP["store"] = store
-    return _worker_host(), int(store.port)
-
-
-def join_group_task(host: str, port: int, rank: int, members: list[str], backend: str,
+def join_group_task(store_path: str, rank: int, members: list[str], backend: str,
                     parallel: str) -> int:
-    """Join the group as ``rank`` of ``len(members)``; rank 0 holds the store."""
+    """Join the group as ``rank`` of ``len(members)`` through the FileStore at
+    ``store_path``."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = _GROUP.pop("store") if rank == 0 else dist.TCPStore(
-        host, port, is_master=False, timeout=timeout)
+    store = dist.FileStore(store_path, len(members))
+    store.set_timeout(timeout)
+    _bind_collectives()
     if backend == "nccl":
         # one GPU per rank: a job's own visible device, or the rank's on a shared node
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -127,16 +166,18 @@ def gather_members(client: Client, futures: list, addresses: list[str]) -> list:
 
 
 def form_group(client: Client, members: list[str], leavers: list[str], device: str,
-               parallel: str, leave_task: Callable[[], bool]) -> list[str]:
+               parallel: str, leave_task: Callable[[], bool], stores: Path) -> list[str]:
     """A new process group over ``members`` (worker addresses, rank order) after every
     worker in ``leavers`` (members included) ran ``leave_task`` (drop its trainer and
-    ``leave_group``); returns ``members``."""
+    ``leave_group``), its store a new file in ``stores`` (``store_dir``); returns
+    ``members``."""
     gather_members(client, [client.submit(leave_task, workers=[a], allow_other_workers=False,
                                           pure=False) for a in leavers], leavers)
-    host, port = client.submit(rendezvous_task, workers=[members[0]],
-                               allow_other_workers=False, pure=False).result()
+    for stale in stores.glob(f"{STORE_PREFIX}*"):  # of groups every member has left
+        stale.unlink(missing_ok=True)
+    store_path = str(stores / f"{STORE_PREFIX}{uuid.uuid4().hex}")
     backend = backend_for(device)
-    joined = [client.submit(join_group_task, host, port, r, members, backend, parallel,
+    joined = [client.submit(join_group_task, store_path, r, members, backend, parallel,
                             workers=[address], allow_other_workers=False, pure=False)
               for r, address in enumerate(members)]
     gather_members(client, joined, members)

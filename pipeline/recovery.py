@@ -47,7 +47,7 @@ from rlhfless.ops.publish import WeightsRef
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config
-from .ranks import form_group, on_ranks
+from .ranks import form_group, on_ranks, store_dir
 from .runs import RunDir
 from .trainer_tasks import (
     TrainSpec,
@@ -262,7 +262,8 @@ class Durable:
         pc.wait_for(names)
         members = [pc.address_of(n) for n in names]
         self.members = form_group(pc.client, members, members, self.spec.engine.device,
-                                  self.spec.parallel, leave_trainer_task)
+                                  self.spec.parallel, leave_trainer_task,
+                                  store_dir(self.run.path))
 
     def check_trainer(self) -> None:
         """Raise ``TrainerLost`` if the trainer (every rank) is not the one this run trains

@@ -115,11 +115,13 @@ def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
     name = html.escape(data.path.name)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{name}</title>"
              f"<style>{STYLE}</style></head><body><h1>Run {name}</h1>"]
-    if data.live:
+    if data.live and not data.dashboard["link"]:
+        parts.append("<p class='live'>This run is live (its Dask dashboard is off).</p>")
+    elif data.live:
         link = html.escape(data.dashboard["link"])
         parts.append(f"<p class='live'>This run is live: <a href='{link}'>Dask dashboard</a>"
                      f" ({link})</p>")
-    elif data.dashboard:
+    elif data.dashboard and data.dashboard["link"]:
         parts.append("<p>The run has ended; its Dask dashboard is gone.</p>")
     parts.append(html_table(_summary(data)))
     for key, (title, draw) in FIGURES.items():

@@ -14,6 +14,7 @@
     .rlhfless-run        marker: this directory is a run (only such a directory is overwritten)
     .lock                held (``flock``) by the one process that owns the run while it lives
     tls/                 the cluster's key and certificate of this start (0700/0600; security.py)
+    ranks/               the trainer ranks' rendezvous stores (0700; ranks.py)
 
 A run name is one path component (``config.RUN_NAME``). The process that creates or resumes a
 run holds an exclusive ``flock`` on ``.lock`` until it ends; the kernel releases it on any
@@ -31,6 +32,12 @@ line that is not JSON is an error naming file and line. Everything written is st
 a NaN or infinite number is written as ``null`` and its key listed under ``"nonfinite"``.
 Every metrics record is also handed to ``listeners`` (a notebook's live plot, TensorBoard),
 in the order appended, as it was given.
+
+A run is private to its Unix user: ``train`` and ``--resume`` run under ``umask(run_umask)``
+(config key, default 0o077: directories 0700, files 0600), and the local cluster's worker
+processes inherit it (batch jobs set it in their script, deploy.py), so rollouts, metrics,
+weights and checkpoints written by the driver or by a worker alike are the run user's only;
+``run_umask = 0o022`` shares them read-only (0755/0644).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +144,16 @@ def _claim(path: Path, overwrite: bool):
     except (PermissionError, FileExistsError, NotADirectoryError) as err:
         raise RunDirError(f"cannot create run directory {path}: {err.strerror}; choose a "
                           "writable runs_dir (--set runs_dir=...)") from None
+
+
+@contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """This process's umask is ``mask`` for the block (processes it starts inherit it)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def _finite(value: Any, key: str, nonfinite: list[str]) -> Any:

@@ -9,11 +9,16 @@ Safe by default, for a local cluster and for batch-job (Slurm/PBS) clusters alik
   the run's Unix user can read. Another local user can reach the ports but not finish a
   handshake, so cannot run code on the workers. Batch jobs get the files' paths on the worker
   command line (``--tls-key ...``), never their content: the job script reveals nothing.
-* The scheduler, its dashboard and every local worker listen on 127.0.0.1 (config keys
+* The scheduler, its HTTP server and every local worker listen on 127.0.0.1 (config keys
   ``scheduler_host``, ``dashboard_address``); nothing listens on all interfaces unless
-  configured to. The dashboard is plain HTTP on loopback and read-only (distributed's default
-  routes: status pages, JSON, Prometheus; none submits work): another local user can watch a
-  run's progress there, not change it.
+  configured to. The dashboard is off unless ``dashboard = true``: without it the scheduler's
+  HTTP server answers its health check only; with it, it is plain HTTP and read-only
+  (distributed's default routes: status pages, JSON, Prometheus; none submits work), so that
+  another local user can watch a run's progress there, not change it (observe.py).
+* The trainer ranks (``train_workers > 1``) meet through a file in the run's 0700
+  ``ranks/`` directory, not a TCP store: no port, no key another user can read or set; their
+  collectives bind to the interface of their Dask address (ranks.py).
+* A run's files are 0600 and its directories 0700 (``run_umask``, runs.py).
 
 The config's ``[security]`` table:
 

@@ -37,5 +37,6 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path_factory.mktemp("runs")),
                  name="finished", iterations=2, batch_prompts=8, n_samples=3,
                  max_new_tokens=16, heldout_prompts=8, eval_every=1, policy="elastic",
-                 gen_workers=2, lambda_cost=1.0, keep_alive_s=0.0, train_threads=1)
+                 gen_workers=2, lambda_cost=1.0, keep_alive_s=0.0, train_threads=1,
+                 dashboard=True)  # the report links it while the run is live
     return train(cfg, progress=False, log=lambda *_: None).path

@@ -4,6 +4,8 @@ exactly, tied embeddings included; old versions are pruned; no temporary file is
 from __future__ import annotations
 
 import copy
+import os
+import stat
 from dataclasses import replace
 
 import pytest
@@ -12,7 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from rlhfless.ops.publish import WeightsRef, load_weights, publish_weights, require_version
+from rlhfless.ops.publish import (
+    WeightsRef,
+    load_weights,
+    process_umask,
+    publish_weights,
+    require_version,
+)
 from rlhfless.ops.tinymodel import build_model
 
 
@@ -91,3 +99,14 @@ def test_require_version():
     require_version(4, 4, "worker w-1")
     with pytest.raises(RuntimeError, match="w-1: engine holds policy v3 but the task needs v4"):
         require_version(3, 4, "worker w-1")
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o600), (0o022, 0o644)])
+def test_published_weights_have_the_mode_the_umask_gives(model, tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        assert process_umask() == umask
+        ref = publish_weights(model, tmp_path, version=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(ref.path).st_mode) == mode  # safetensors alone: 0600

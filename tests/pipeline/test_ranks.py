@@ -1,17 +1,24 @@
 """Trainer ranks on a real LocalCluster (worker processes, gloo on CPU): one update spread
 over 2 ranks gives the gradients of 1 rank's (FSDP2 and DDP), and a checkpoint written by
 N ranks restores onto M bitwise (``ops/parallel.py``, ``pipeline/ranks.py``,
-``pipeline/zarr_state.py``)."""
+``pipeline/zarr_state.py``); the group's rendezvous store is a file only the run's user can
+open, and no rank listens beyond loopback."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import stat
+import subprocess
 
+import psutil
 import pyarrow as pa
 import pytest
 import torch
 import zarr
 from distributed import Client, LocalCluster
+from test_security import LOOPBACK, listening
 from transformers import AutoModelForCausalLM
 
 from rlhfless.ops.forward import enable_checkpointing
@@ -27,7 +34,7 @@ from rlhfless.ops.parallel import (
 from rlhfless.ops.schema import TRAINABLE
 from rlhfless.ops.update import UpdateParams, update_policy
 from rlhfless.pipeline import checkpoint as ckpt
-from rlhfless.pipeline.ranks import form_group, on_ranks, this_rank
+from rlhfless.pipeline.ranks import form_group, interface_of, on_ranks, store_dir, this_rank
 from rlhfless.pipeline.trainer_tasks import leave_trainer_task
 from rlhfless.pipeline.zarr_state import get_tensors
 
@@ -130,16 +137,18 @@ def restore_full(model_dir, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(tmp_path_factory):
     with (LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                        dashboard_address=":0", resources={"TRAIN": 1}) as cluster,
           Client(cluster) as c):
+        c.stores = store_dir(tmp_path_factory.mktemp("run"))  # the run's rendezvous stores
         yield c
 
 
 def group_of(client: Client, world: int, parallel: str) -> list[str]:
     workers = sorted(client.scheduler_info()["workers"])
-    return form_group(client, workers[:world], workers, "cpu", parallel, leave_trainer_task)
+    return form_group(client, workers[:world], workers, "cpu", parallel, leave_trainer_task,
+                      client.stores)
 
 
 def test_split_rows_keeps_groups_whole_and_balances_tokens():
@@ -260,3 +269,38 @@ def test_checkpoint_of_n_ranks_restores_on_m_bitwise(client, tiny_model_dir, tmp
         opt = zarr.open_group(path, mode="r")["trainer/optimizer"]
         for name, tensor in got["exp_avg"].items():
             assert torch.equal(tensor, get_tensors(opt[name])["exp_avg"]), name
+
+
+def own_listening() -> set[str]:
+    return listening(os.getpid())
+
+
+def as_nobody(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           *command], capture_output=True)
+
+
+def test_the_rendezvous_is_private_and_nothing_listens_beyond_loopback(client):
+    members = group_of(client, 2, "ddp")
+    assert on_ranks(this_rank_number, client=client, members=members) == [0, 1]
+    for addresses in on_ranks(own_listening, client=client, members=members):
+        assert addresses and addresses <= LOOPBACK, addresses  # Dask's, gloo's: loopback
+    stores = list(client.stores.glob("store-*"))
+    assert len(stores) == 1  # the live group's; those of groups left are gone
+    assert stat.S_IMODE(client.stores.stat().st_mode) == 0o700
+    if os.geteuid() == 0 and shutil.which("setpriv"):  # another user reads or sets no key
+        for command in (["cat", str(stores[0])], ["sh", "-c", f"echo x >> {stores[0]}"],
+                        ["ls", str(client.stores)]):
+            other = as_nobody(*command)
+            assert other.returncode != 0 and b"Permission denied" in other.stderr, command
+
+
+def test_collectives_bind_to_the_interface_that_holds_the_address():
+    loopback = interface_of("127.0.0.1")
+    held = {a.address for a in psutil.net_if_addrs()[loopback]}
+    assert "127.0.0.1" in held and interface_of("localhost") == loopback
+    assert interface_of("192.0.2.1") is None  # TEST-NET-1: no interface holds it
+
+
+def this_rank_number() -> int:
+    return this_rank().rank

@@ -1,20 +1,26 @@
 """Whole runs with trainer ranks on a LocalCluster (gloo): ``train_workers = 2`` trains as
 one rank does, a checkpoint of 2 ranks resumes on 1 and one of 1 rank on 2 with bitwise
 the same weights, and a rank killed with SIGKILL sends the run back to its last checkpoint.
+While two ranks train, none of the run's processes listens beyond loopback, and the run's
+files (the ranks' checkpoints too) are its user's only.
 The groups are made informative by the parity reward, so every update moves the weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import zarr
 from safetensors.torch import load_file
 from test_faults import finish, kill_when_processing, metrics, train_in_thread, wait_for
+from test_security import LOOPBACK, listening
+from test_security_private import assert_private
 
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import train
@@ -44,9 +50,24 @@ def one_rank(base_cfg) -> Path:
     return quiet_train(replace(base_cfg, name="one-rank"))
 
 
+LISTENED: set[str] = set()  # addresses the two-rank run's processes listened on
+
+
+def run_listening() -> set[str]:
+    """Addresses this process and every process below it listen on now."""
+    addresses = set()
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            addresses |= listening(process.pid)
+    return addresses
+
+
 @pytest.fixture(scope="module")
 def two_ranks(base_cfg) -> Path:
-    return quiet_train(replace(base_cfg, name="two-ranks", train_workers=2))
+    def watch(record: dict) -> None:
+        if record["event"] == "iteration":  # the group is formed, its ranks have trained
+            LISTENED.update(run_listening())
+    return quiet_train(replace(base_cfg, name="two-ranks", train_workers=2), on_metrics=watch)
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -64,6 +85,12 @@ def test_two_ranks_train_as_one(one_rank, two_ranks, base_cfg):
     for run in (one_rank, two_ranks):
         losses = [m["loss"] for m in metrics(run) if m["event"] == "iteration"]
         assert len(losses) == ITERATIONS and any(loss != 0 for loss in losses)
+
+
+def test_two_ranks_listen_on_loopback_only_and_write_privately(two_ranks):
+    assert LISTENED and LISTENED <= LOOPBACK, LISTENED
+    assert any((two_ranks / "checkpoints").iterdir())
+    assert_private(two_ranks)
 
 
 @pytest.mark.parametrize(("source", "ranks"), [("two_ranks", 1), ("one_rank", 2)])

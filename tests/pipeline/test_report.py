@@ -58,14 +58,20 @@ def test_run_data_reads_what_the_figures_need(finished_run):
     assert data.dashboard["link"].startswith("http") and not data.live
 
 
-def test_a_live_run_links_its_dashboard(finished_run, tmp_path):
-    live = tmp_path / "live"
+def live_copy(finished_run: Path, live: Path, link: str) -> Path:
+    """The config and metrics of ``finished_run`` in ``live``, as a run of this process that
+    serves its dashboard at ``link`` (empty: none)."""
     live.mkdir()
     for name in ("config.json", "metrics.jsonl"):
         (live / name).write_text((finished_run / name).read_text())
-    link = "http://127.0.0.1:8787/status"
     (live / "dashboard.json").write_text(json.dumps(
         {"link": link, "host": socket.gethostname(), "pid": os.getpid(), "started": 0.0}))
+    return live
+
+
+def test_a_live_run_links_its_dashboard(finished_run, tmp_path):
+    link = "http://127.0.0.1:8787/status"
+    live = live_copy(finished_run, tmp_path / "live", link)
     html = write_report(live).read_text()
     assert f"<a href='{link}'>Dask dashboard</a>" in html
     assert html.count("not available for this run yet") == 2  # no rollouts, no ledger yet
@@ -79,3 +85,8 @@ def test_cli_report_and_a_clear_error_for_a_non_run(finished_run, tmp_path, caps
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlhfless: report:") and "no metrics.jsonl" in err and "\n" not in err
+
+
+def test_a_live_run_without_a_dashboard_links_none(finished_run, tmp_path):
+    html = write_report(live_copy(finished_run, tmp_path / "live", "")).read_text()
+    assert "its Dask dashboard is off" in html and "<a href=" not in html
