@@ -85,9 +85,9 @@ def test_export_says_what_it_took_and_passes_over_non_finite_weights(run, tiny_m
     said = json.loads(out)
     assert said["checkpoint"].endswith("iter-00002")
     assert said["passed_over"] == ["iter-00003: its weights are not finite (NaN or inf)"]
-    assert err.splitlines()[-1] == ("rlhfless: exported iter-00002 (the newest whole one with finite "
-                           "weights; passed over iter-00003: its weights are not finite "
-                           "(NaN or inf))")
+    assert err.splitlines()[-1] == (  # after the progress bars of the loading
+        "rlhfless: exported iter-00002 (the newest whole one with finite weights; passed "
+        "over iter-00003: its weights are not finite (NaN or inf))")
     exported = AutoModelForCausalLM.from_pretrained(run.parent.parent / "hf")
     assert all(torch.isfinite(p).all() for p in exported.parameters())
 
