@@ -21,6 +21,12 @@ The loss is taken per length chunk, each chunk's backward right after its forwar
 (``padding_passes``: the zero-loss passes added for that, over the ranks).
 ``epochs`` > 1 reuses the batch (PPO-style) with the ratio correcting for the drift.
 
+A step whose loss or gradient norm is not finite (NaN or infinite, on any rank: the ranks
+agree by a sum) is not taken: the gradients are dropped, ``optimizer.step`` is not called
+and the remaining epochs are not run; the metrics say so (``nonfinite_update`` = 1, the loss
+and gradient norm as they were) and the driver decides (``nonfinite_policy``). With
+``epochs`` = 1 the weights and optimizer state are then exactly those before the batch.
+
 Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
 the trainer's own log-probabilities before this update (the proximal policy, recorded at the
 first epoch) and each token's loss is weighted by ``min(pi_prox / pi_behaviour, tis_cap)``;
@@ -32,6 +38,7 @@ are reported apart as well (``tis_weight_mean_older``, ``tis_truncated_frac_olde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -173,8 +180,10 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     if ranks is not None and ranks.parallel == "fsdp":
         passes = agree_passes(chunks, device)
     scale = 1.0 if ranks is None else ranks.loss_scale
+    nonfinite = False
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
+        loss_before = totals["loss"]
         for k, agreed in enumerate(passes):
             if k >= len(micro):
                 idle_micro_batch(model, pad_id, agreed)
@@ -228,6 +237,13 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
         if ranks is not None:
             sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
+        nonfinite = not (math.isfinite(float(full_tensor(grad_norm)))
+                         and math.isfinite(totals["loss"] - loss_before))
+        if ranks is not None:  # this rank's share of the loss: every rank must agree
+            nonfinite = all_reduce_sum({"nonfinite": float(nonfinite)}, device)["nonfinite"] > 0
+        if nonfinite:  # the weights stay as they are: no step, no further epoch
+            optimizer.zero_grad(set_to_none=True)
+            break
         optimizer.step()
     model.eval()
     padding = params.epochs * (sum(a - c for a, c in zip(passes, chunks))
@@ -248,6 +264,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     return totals | counts | {
         "grad_norm": float(full_tensor(grad_norm)),
         "tokens": n_tokens,
+        "nonfinite_update": float(nonfinite),
     }
 
 

@@ -23,7 +23,9 @@ neither a half-written nor a damaged checkpoint is loaded. The checksum catches 
 rot, a bad copy, a stray write), not a forger with write access to the run. Reading every
 byte back costs time, so only ``latest``, ``find`` and ``export_hf`` verify content;
 ``prune`` and the readers of a checkpoint that ``latest`` chose check sizes. ``prune`` keeps
-the newest ``keep`` whole ones and removes the rest.
+the newest ``keep`` whole ones and removes the rest, but never the newest whole one whose
+weights are all finite (the root attribute ``finite``, written by the driver from what every
+trainer rank found; a checkpoint without it counts as finite).
 
 Who writes what: the trainer worker writes ``trainer/`` itself
 (``trainer_tasks.save_trainer_task``), the driver the root attributes, ``driver/`` and
@@ -34,6 +36,12 @@ driver on a LocalCluster and on HPC (published weights already rely on that).
 
 Loading never unpickles: zarr metadata and the manifest are JSON, chunks raw bytes, tables
 Parquet. ``export_hf`` writes any checkpoint as a Hugging Face ``save_pretrained`` directory.
+
+``rlhfless export`` takes the newest whole, finite checkpoint and says which and why it
+passed over newer finite-less ones; it refuses when the newest checkpoint is damaged (one
+line naming the problem and the newest whole one) unless ``--iteration`` names one, refuses
+an output directory that is not empty or lies inside a run, and a checkpoint pruned by the
+live run while it was read is said so (export again, or name a kept one).
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ class DriverState:
     ledger_totals: dict[str, float] = field(default_factory=dict)
     model_path: str = ""  # the Hugging Face directory the run started from
     data_digest: str = ""  # fingerprint of the prompts the sampler draws from
+    finite: bool = True  # every weight of every trainer rank is finite (no NaN or inf)
     tables: dict[str, pa.Table] = field(default_factory=dict)
 
 
@@ -152,7 +161,7 @@ def write_driver(path: str | Path, state: DriverState) -> None:
         "sampler_position": state.sampler_position, "update_seconds": state.update_seconds,
         "ledger_totals": state.ledger_totals, "model_path": state.model_path,
         "data_digest": state.data_digest, "tables": sorted(state.tables),
-        "written_unix": time.time(), "kv": state.kv,
+        "written_unix": time.time(), "kv": state.kv, "finite": state.finite,
     })
     driver = root.create_group("driver")
     put_rng(driver.create_group("rng"))
@@ -292,14 +301,24 @@ def latest(root: str | Path, content: bool = True) -> tuple[Path | None, list[st
     return None, skipped
 
 
+def is_finite(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` recorded finite weights (older ones did not say:
+    True)."""
+    return bool(zarr.open_group(path, mode="r").attrs.get("finite", True))
+
+
 def prune(root: str | Path, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` whole checkpoints; remove older ones, partial ones and
-    leftover temporary directories. Returns what was removed."""
+    """Keep the newest ``keep`` whole checkpoints and the newest whole finite one; remove
+    older ones, partial ones and leftover temporary directories. Returns what was removed."""
     if keep < 1:
         raise ValueError(f"prune: keep must be >= 1, got {keep}")
     root = Path(root)
     whole = [p for p in reversed(checkpoints(root)) if problem(p, content=False) is None]
-    doomed = whole[keep:] + [p for p in checkpoints(root) if p not in whole]
+    kept = whole[:keep]
+    if not any(is_finite(p) for p in kept):  # a diverged run: keep its last finite state
+        kept += [p for p in whole[keep:] if is_finite(p)][:1]
+    doomed = [p for p in whole if p not in kept] + [p for p in checkpoints(root)
+                                                    if p not in whole]
     doomed += [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-"))]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -351,7 +370,7 @@ def read_driver(path: str | Path, restore_rng: bool = True) -> DriverState:
         throughput=get_tree(root["driver/throughput"]),
         update_seconds=float(a["update_seconds"]), ledger_totals=dict(a["ledger_totals"]),
         model_path=str(a["model_path"]), data_digest=str(a.get("data_digest", "")),
-        tables=tables, kv=dict(a.get("kv", {})))
+        tables=tables, kv=dict(a.get("kv", {})), finite=is_finite(path))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path,
@@ -402,22 +421,83 @@ def find(run_path: str | Path, iteration: int | None = None, content: bool = Tru
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     p.add_argument("run", help="the run directory (runs/<name>)")
-    p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest)")
-    p.add_argument("-o", "--output", required=True, help="directory to write")
+    p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest whole "
+                   "one with finite weights; refused if the newest is damaged)")
+    p.add_argument("-o", "--output", required=True,
+                   help="directory to write (new or empty, outside any run directory)")
     p.add_argument("--model", help="model directory for config and tokenizer "
                    "(default: the one the run started from)")
 
 
+class ExportRefused(ValueError):
+    """``export`` will not write this (the message says why and what to do)."""
+
+
+def check_output(out: str | Path, run: str | Path) -> None:
+    """``ExportRefused`` unless ``out`` is a new or empty directory outside every run
+    directory (``run`` itself included: the model's config.json would replace the run's)."""
+    from .runs import is_run  # runs.py reads no checkpoint; imported here to stay light
+
+    target, run_path = Path(out).resolve(), Path(run).resolve()
+    runs = [d for d in (target, *target.parents) if is_run(d) or d == run_path]
+    if runs:
+        raise ExportRefused(f"-o {out} lies inside the run directory {runs[0]}; write the "
+                            "model to a directory outside any run")
+    if target.exists() and not target.is_dir():
+        raise ExportRefused(f"-o {out} is a file; give a new or empty directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise ExportRefused(f"-o {out} is not empty; give a new or empty directory")
+
+
+def choose_export(run_path: str | Path, iteration: int | None) -> tuple[Path, list[str]]:
+    """The checkpoint ``export`` writes and one line per newer one it passed over: that of
+    ``iteration`` if given, else the newest whole one with finite weights. ``ExportRefused``
+    when the newest checkpoint is damaged (no manifest, a file cut short) and no
+    ``iteration`` names one: exporting an older one unasked would hide the damage."""
+    if iteration is not None:
+        return find(run_path, iteration, content=False), []
+    root = Path(run_path) / "checkpoints"
+    found = checkpoints(root)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint under {root}")
+    why = problem(found[-1], content=False)
+    if why is not None:
+        whole = [iteration_of(p) for p in found if problem(p, content=False) is None]
+        hint = (f"export the newest whole one with --iteration {whole[-1]}" if whole
+                else "no whole checkpoint is left")
+        raise ExportRefused(f"the newest checkpoint {found[-1]} is damaged ({why}); {hint}")
+    passed = []
+    for path in reversed(found):
+        why = problem(path, content=False)
+        if why is None and is_finite(path):
+            return path, passed
+        passed.append(f"{path.name}: {why or 'its weights are not finite (NaN or inf)'}")
+    raise FileNotFoundError(f"no whole checkpoint with finite weights under {root} "
+                            f"({'; '.join(passed)})")
+
+
 def export_from_args(args) -> int:
+    path = None
     try:
-        path = find(args.run, args.iteration, content=False)  # export_hf checks the content
-        out = export_hf(path, args.output, args.model)
-    except FileNotFoundError as err:
-        print(f"rlhfless: cannot export: {err}", file=sys.stderr)
+        check_output(args.output, args.run)
+        path, passed = choose_export(args.run, args.iteration)
+        out = export_hf(path, args.output, args.model)  # it checks the content
+    except Exception as err:
+        if path is not None and problem(path, content=False) is not None:
+            message = (f"checkpoint {path} was pruned by the live run while it was read; "
+                       "export again (for the newest), or name one the run keeps with "
+                       "--iteration N")
+        elif isinstance(err, ExportRefused | FileNotFoundError):
+            message = str(err)
+        elif isinstance(err, ValueError):
+            message = f"{err}; export another one with --iteration N"
+        else:
+            raise
+        print(f"rlhfless: cannot export: {message}", file=sys.stderr)
         return 2
-    except ValueError as err:
-        print(f"rlhfless: cannot export: {err}; export another one with --iteration N",
-              file=sys.stderr)
-        return 2
-    print(json.dumps({"checkpoint": str(path), "hf_model": str(out)}))
+    why = "as asked" if args.iteration is not None else (
+        "the newest checkpoint" if not passed else
+        f"the newest whole one with finite weights; passed over {'; '.join(passed)}")
+    print(f"rlhfless: exported {path.name} ({why})", file=sys.stderr)
+    print(json.dumps({"checkpoint": str(path), "hf_model": str(out), "passed_over": passed}))
     return 0

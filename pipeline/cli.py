@@ -29,7 +29,7 @@ from rlhfless.ops.schema import PROMPTS
 from .checkpoint import add_export_parser, export_from_args
 from .config import ConfigError, load_config
 from .graph import STAGE_COLOURS, iteration_graph
-from .loop import make_specs, train
+from .loop import Diverged, make_specs, train
 from .recovery import ResumeError, resume_config
 from .report import add_parser as add_report_parser
 from .report import run_from_args as report_from_args
@@ -62,9 +62,10 @@ def render_graph(cfg, filename: str) -> str:
     return filename
 
 
-# errors of what the user gave (config, paths, data, run directories): one line, exit 2
+# errors of what the user gave (config, paths, data, run directories, a learning rate that
+# diverges): one line, exit 2
 USER_ERRORS = (ConfigError, ResumeError, RunDirError, BadRow, FileNotFoundError,
-               IsADirectoryError, NotADirectoryError, PermissionError)
+               IsADirectoryError, NotADirectoryError, PermissionError, Diverged)
 
 
 def main(argv: list[str] | None = None) -> int:

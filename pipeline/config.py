@@ -34,6 +34,7 @@ CHOICES = {
     "cluster": ("local", "slurm", "pbs"),
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
+    "nonfinite_policy": ("stop", "skip"),
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
@@ -62,6 +63,9 @@ class Config:
     checkpoint_every: int = 5  # iterations between checkpoints (and one after the last)
     keep_checkpoints: int = 2  # whole checkpoints kept on disk, newest first
     max_recoveries: int = 3  # trainer losses a run recovers from before it gives up
+    # a NaN/inf loss or gradient: the step is never taken; "stop" ends the run naming the
+    # iteration (a diverging run is caught), "skip" drops that batch and goes on
+    nonfinite_policy: str = "stop"
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
     dataset: str = ""  # prompts for RL; empty: the tiny task's train split

@@ -8,6 +8,11 @@
         log metrics, the rollouts, and every ``eval_every`` the held-out accuracy
         commit a checkpoint every ``checkpoint_every``; lost the trainer? back to the last one
 
+An update whose loss or gradient is not finite is never applied (``ops/update.py``); with
+``nonfinite_policy = "stop"`` the run then ends after recording that iteration, with one line
+naming it (``Diverged``) and no checkpoint of it: the newest checkpoint is the last finite
+state; with ``"skip"`` the batch is dropped (said once per iteration) and the run goes on.
+
 Held-out accuracy is the mean reward of greedy responses to the held-out prompts. Every mode
 and both scheduling policies run through one driver, ``modes.ModeRunner``: ``step`` trains
 one iteration, generating as far ahead as the mode allows (sync: nothing ahead). What the run
@@ -26,6 +31,7 @@ from rlhfless.ops.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.policy import ElasticPolicy
 
+from . import checkpoint as ckpt
 from .bookkeeping import account, evaluate, say_reward_errors, write_ledger
 from .cluster import PoolCluster, pools_from_config
 from .config import Config
@@ -40,17 +46,44 @@ from .sampler import PromptSampler
 from .specs import load_prompt_sets, make_specs, resolve_model
 
 
+class Diverged(RuntimeError):
+    """An update's loss or gradient was not finite and ``nonfinite_policy = "stop"``."""
+
+
+def check_finite(record: dict, cfg: Config, run: RunDir, log) -> None:
+    """Act on an iteration whose update was not applied for a non-finite loss or gradient:
+    ``Diverged`` (policy "stop") or one line saying the batch was skipped."""
+    if not record.get("nonfinite_update"):
+        return
+    iteration = record["iteration"]
+    found = f"loss {record.get('loss')}, grad_norm {record.get('grad_norm')}"
+    if cfg.nonfinite_policy == "skip":
+        log(f"iteration {iteration}: non-finite update ({found}); batch skipped, weights "
+            "unchanged (nonfinite_policy = 'skip')")
+        return
+    newest, _ = ckpt.latest(run.path / "checkpoints", content=False)
+    raise Diverged(f"iteration {iteration}: the loss or gradient is not finite ({found}); its "
+                   "update was not applied and the run stops (nonfinite_policy = 'stop'); "
+                   f"the newest checkpoint, {newest.name if newest else 'none'}, is the last "
+                   "finite state: export it, or start again with a lower lr or "
+                   "nonfinite_policy = 'skip'")
+
+
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
           on_metrics: Callable[[dict], None] | None = None, resume: bool = False) -> RunDir:
     """Run ``cfg.iterations`` iterations in ``cfg.mode``; returns the run directory.
     ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
     ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
-    The run directory is locked by this call while it runs (runs.py)."""
+    The run directory is locked by this call while it runs (runs.py); a run it replaces is
+    put back if this one fails before it records its first iteration."""
     with umask(cfg.run_umask):  # what the run and its local workers write (runs.py)
         check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
         run = open_run(cfg, overwrite=overwrite, resume=resume)
         try:
             _train_in(run, cfg, progress, log, on_metrics, resume)
+        except BaseException:
+            run.restore_replaced()  # nothing once the first iteration dropped the old run
+            raise
         finally:
             run.release()
     return run
@@ -92,6 +125,8 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             record |= account(pc, ledger, policy, iteration, t0, table)
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
+            run.drop_replaced()  # the new run has started: the one it replaced goes
+            check_finite(record, cfg, run, log)
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
                                                                          cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:

@@ -101,8 +101,9 @@ def resume_config(run_path: str | Path, overrides: list[str] = ()) -> Config:
 # what a resumed run may change: how long it goes on, how often it evaluates and checkpoints,
 # how it recovers, and where its batch jobs run; every other key shapes what it learns
 RESUMABLE = ("iterations", "max_wall_s", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "max_recoveries", "job_start_timeout_s", "walltime", "worker_lifetime", "queue",
-             "account", "job_prologue", "train_workers")  # checkpoints reshard N -> M ranks
+             "max_recoveries", "nonfinite_policy", "job_start_timeout_s", "walltime",
+             "worker_lifetime", "queue", "account", "job_prologue",
+             "train_workers")  # checkpoints reshard N -> M ranks
 
 
 def config_changes(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -294,7 +295,7 @@ class Durable:
             iteration=iteration, policy_version=weights.version,
             sampler_position=sampler.position, **state.state_dict(),
             ledger_totals=totals, model_path=self.model_path, data_digest=self.digest,
-            tables=self.tables))
+            finite=all(p["finite"] for p in parts), tables=self.tables))
         path = ckpt.commit(tmp)
         ckpt.prune(self.root, self.cfg.keep_checkpoints)
         self.run.append_metrics({"event": "checkpoint", "iteration": iteration,

@@ -21,8 +21,13 @@ run holds an exclusive ``flock`` on ``.lock`` until it ends; the kernel releases
 exit, SIGKILL included, so a lock is never stale. A second process (a second ``train`` of the
 same name, ``--resume`` or ``--overwrite`` of a live run) is refused and touches nothing.
 ``--overwrite`` replaces only a directory with the marker: it takes the old run's lock, renames
-the directory aside, removes it, and creates the new run; a run that never recorded an
-iteration (it failed or was killed first) is replaced so, without ``--overwrite``.
+the directory aside to a hidden sibling (``.<name>.replaced-<id>``, still locked) and creates
+the new run. The old run is deleted only once the new one has recorded its first iteration
+(``drop_replaced``, or ``release``); any failure before that puts it back as it was
+(``restore_replaced``), so a mistake (a bad dataset, a wrong model) loses nothing. A process
+killed in between leaves the old run under the hidden name, to be renamed back by hand. A run
+that never recorded an iteration (it failed or was killed first) is replaced so, without
+``--overwrite``.
 
 Files are written to a temporary name and renamed into place, so a reader never mistakes
 a partial file for a whole one. JSON lines are appended one record per write; a last line
@@ -74,9 +79,10 @@ def is_run(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
 
 
-def lock_run(path: Path):
+def lock_run(path: Path, note: bool = True):
     """The open lock file of the run in ``path``, locked exclusively; ``RunDirError`` if
-    another process holds it. The lock lasts as long as the file stays open."""
+    another process holds it. The lock lasts as long as the file stays open. ``note``: write
+    this process into it (without, the file is left as it was)."""
     lock = (path / LOCK).open("a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -86,6 +92,8 @@ def lock_run(path: Path):
         lock.close()
         raise RunDirError(f"run directory {path} is in use by a live run ({owner}); wait for "
                           "it to end or choose another name (--set name=...)") from None
+    if not note:
+        return lock
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -115,32 +123,59 @@ def _started(path: Path) -> bool:
     return False
 
 
+class _Replaced:
+    """An old run renamed aside by ``--overwrite``, kept (and locked) until the new run
+    stands or fails."""
+
+    def __init__(self, path: Path, lock) -> None:
+        self.path, self.lock = path, lock
+        self.aside = path.with_name(f".{path.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(path, self.aside)
+
+    def drop(self) -> None:
+        shutil.rmtree(self.aside)
+        self.lock.close()
+
+    def restore(self) -> None:
+        """Remove the new run in ``path`` and put the old one back under its name."""
+        if self.path.exists():
+            _remove_run(self.path)
+        os.rename(self.aside, self.path)
+        self.lock.close()
+
+
 def _claim(path: Path, overwrite: bool):
-    """Make ``path`` a new, empty run directory locked by this process; returns the lock."""
+    """Make ``path`` a new, empty run directory locked by this process; returns the lock and
+    the old run set aside (``_Replaced``), if there was one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
-            return lock_run(path)
+            return lock_run(path), None
         except FileExistsError:
             pass
         if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-            return lock_run(path)  # an empty directory: take it
+            return lock_run(path), None  # an empty directory: take it
         if not is_run(path):
             raise RunDirError(f"{path} exists and is not a run directory (no {MARKER}); "
                               "choose another name (--set name=...) or runs_dir; --overwrite "
                               "replaces only a run")
+        old = lock_run(path, note=False)  # refused while the old run is live, --overwrite or not
         if not overwrite and _started(path):  # one that never recorded an iteration holds
-            raise RunDirError(  # nothing to resume and must not block a rerun
-                f"run directory {path} exists; choose another name (--set name=...) "
-                "or pass --overwrite")
-        old = lock_run(path)  # refused while the old run is live
+            old.close()  # nothing to resume and must not block a rerun
+            raise RunDirError(f"run directory {path} exists; choose another name "
+                              "(--set name=...) or pass --overwrite")
         try:
-            _remove_run(path)
-        finally:
+            replaced = _Replaced(path, old)
+        except BaseException:
             old.close()
-        path.mkdir()
-        return lock_run(path)
+            raise
+        try:
+            path.mkdir()
+            return lock_run(path), replaced
+        except BaseException:
+            replaced.restore()
+            raise
     except (PermissionError, FileExistsError, NotADirectoryError) as err:
         raise RunDirError(f"cannot create run directory {path}: {err.strerror}; choose a "
                           "writable runs_dir (--set runs_dir=...)") from None
@@ -205,18 +240,25 @@ class RunDir:
         self.path = Path(path)
         self.listeners: list[Callable[[dict], None]] = []
         self._lock = None  # the open, locked .lock of a run this process owns
+        self._replaced: _Replaced | None = None  # the old run --overwrite set aside
 
     @classmethod
     def create(cls, cfg: Config, overwrite: bool = False) -> RunDir:
         """A new run directory, locked by this process until ``release``. An existing run
         that is not live is replaced with ``overwrite``, or when it never recorded an
-        iteration; nothing else is ever removed."""
+        iteration; nothing else is ever removed. The run replaced is kept aside until
+        ``drop_replaced`` or ``release``, and ``restore_replaced`` puts it back."""
         path = cfg.run_dir  # cfg.name is one safe path component (config.py)
         run = cls(path)
-        run._lock = _claim(path, overwrite)
-        (path / MARKER).write_text(json.dumps({"name": cfg.name, "created": time.time()}))
-        (path / "rollouts").mkdir(exist_ok=True)
-        run.write_json("config.json", cfg.to_dict())
+        run._lock, run._replaced = _claim(path, overwrite)
+        try:
+            (path / MARKER).write_text(json.dumps({"name": cfg.name, "created": time.time()}))
+            (path / "rollouts").mkdir(exist_ok=True)
+            run.write_json("config.json", cfg.to_dict())
+        except BaseException:
+            run.restore_replaced()
+            run.release()
+            raise
         return run
 
     @classmethod
@@ -228,8 +270,23 @@ class RunDir:
             (run.path / MARKER).write_text(json.dumps({"name": run.path.name}))
         return run
 
+    def drop_replaced(self) -> None:
+        """Delete the old run that ``create`` set aside (the new one has started)."""
+        if self._replaced is not None:
+            self._replaced.drop()
+            self._replaced = None
+
+    def restore_replaced(self) -> None:
+        """Remove this new run and put back the old one that ``create`` set aside, as it was;
+        nothing happens if there is none (or it was dropped)."""
+        if self._replaced is not None:
+            self._replaced.restore()
+            self._replaced = None
+
     def release(self) -> None:
-        """Give up the lock (also released when this process exits, however it exits)."""
+        """Give up the lock (also released when this process exits, however it exits); an
+        old run still set aside is dropped: the run this process made stands."""
+        self.drop_replaced()
         if self._lock is not None:
             self._lock.close()
             self._lock = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlhfless.ops.backend import HFBackend
 from rlhfless.ops.forward import enable_checkpointing
@@ -185,8 +186,14 @@ def save_trainer_task(spec: TrainSpec, path: str, token: str) -> dict:
                            "run (it restarted); its state cannot be checkpointed")
     started = time.perf_counter()
     n = write_trainer(path, state["model"], state["optimizer"], _ranks(spec))
-    return {"version": state["engine"].version, "bytes": n,
+    return {"version": state["engine"].version, "bytes": n, "finite": _finite(state["model"]),
             "seconds": time.perf_counter() - started}
+
+
+def _finite(model: torch.nn.Module) -> bool:
+    """Whether every weight this rank holds (its shard, with ranks) is finite."""
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
+    return all(bool(torch.isfinite(t.detach()).all()) for t in local)
 
 
 def restore_trainer_task(spec: TrainSpec, path: str, token: str) -> int:

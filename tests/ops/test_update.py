@@ -5,6 +5,7 @@ the input checks behave."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pyarrow as pa
 import pytest
@@ -262,3 +263,25 @@ def test_backward_per_model_call_gives_one_backwards_gradients(model64):
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12)
         assert torch.equal(padded[name], got[name]), name
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_takes_no_step(model, tokenizer, batch, bad):
+    """An advantage of NaN or inf makes the loss and gradient non-finite: the weights and the
+    optimizer state stay bit for bit, and the metrics say so."""
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    advantages = [bad, *ADVANTAGES[1:]]
+    broken = batch.set_column(batch.schema.get_field_index("advantage"),
+                              TRAINABLE.field("advantage"), pa.array(advantages, pa.float32()))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    metrics = update_policy(policy, optimizer, broken, UpdateParams(epochs=2),
+                            tokenizer.pad_token_id)
+    assert metrics["nonfinite_update"] == 1.0
+    assert not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]))
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert not optimizer.state  # no step was taken
+    assert all(p.grad is None for p in policy.parameters())
+    assert update_policy(policy, optimizer, batch, UpdateParams(),
+                         tokenizer.pad_token_id)["nonfinite_update"] == 0.0

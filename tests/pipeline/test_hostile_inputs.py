@@ -90,6 +90,25 @@ def test_overwrite_renames_the_old_run_aside_and_leaves_nothing_of_it(tree):
     assert (tree / "precious" / "thesis.tex").read_text() == "do not delete"
 
 
+def test_overwrite_with_a_bad_dataset_keeps_the_old_run_byte_for_byte(tree, capsys,
+                                                                      tiny_model_dir):
+    """The new run fails on its data, after its directory was made: the old run's files
+    were gone. Now every path is as it was (content, mode, mtime), but for the mtime of
+    runs/ itself, in which the old run was renamed aside and back."""
+    old = tree / "runs" / "keep"
+    (old / "rollouts" / "iter-00001.parquet").write_bytes(b"old rollouts")
+    (old / "checkpoints" / "iter-00001").mkdir(parents=True)
+    (old / "checkpoints" / "iter-00001" / "COMMITTED").write_text("{}")
+    (tree / "empty.jsonl").write_text("")
+    before = snapshot(tree)
+    err = one_line_error(capsys, ["train", "--set", "name='keep'", "--overwrite", "--set",
+                                  "dataset='empty.jsonl'", "--set", f"model='{tiny_model_dir}'"])
+    assert "empty.jsonl" in err and "no prompts" in err, err
+    after = snapshot(tree)
+    assert after.pop("runs")[:2] == before.pop("runs")[:2]
+    assert after == before
+
+
 def test_an_existing_run_is_not_replaced_without_overwrite(tree, capsys):
     before = snapshot(tree)
     err = one_line_error(capsys, ["train", "--set", "name='keep'"])
@@ -103,6 +122,7 @@ HOLDER = textwrap.dedent("""
     from rlhfless.pipeline.config import Config
     from rlhfless.pipeline.runs import RunDir
     run = RunDir.create(Config(runs_dir="runs", name="live"))
+    run.append_metrics({"event": "iteration", "iteration": 1})  # started: not to be replaced
     print("ready", flush=True)
     time.sleep(600)
 """)
