@@ -251,3 +251,22 @@ def test_an_accepted_change_on_resume_is_recorded_old_and_new(tree, resumable):
     assert changes[0]["resumed_from"] == "iter-00002"
     saved = RunDir(resumable).read_json("config.json")
     assert (saved["iterations"], saved["eval_every"]) == (4, 2)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("worker_memory=lots", "config error: worker_memory = 'lots' is not a size: use a size of "
+                           "at least 512 MiB per worker, such as '4GiB' or '2000MB'"),
+    ("worker_memory='1kB'", "config error: worker_memory = '1kB' is 1000 bytes, too little"),
+    ("worker_lifetime='1e400s'", "config error: worker_lifetime = '1e400s': use a duration"),
+])
+def test_bad_sizes_and_durations_fail_before_the_cluster_starts(tree, value, message):
+    """Once a worker with a bad memory limit started, the run hung for minutes in hundreds of
+    tracebacks; the value is refused in one line before anything starts or is written."""
+    before = snapshot(tree)
+    done = subprocess.run([sys.executable, "-m", "rlhfless.pipeline.cli", "train", "--set",
+                           value, "--set", "name='fresh'"], cwd=tree, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"rlhfless: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and not done.stdout, done.stderr
+    assert snapshot(tree) == before
