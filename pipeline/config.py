@@ -147,7 +147,7 @@ class Config:
     lora_target_modules: list[str] = field(  # module names that get adapters
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     worker_memory: str = "4GiB"  # per worker process, a size as Dask reads it ("4GiB", "500MB")
-    # a generation or trainer task that shows no progress (decode steps) for longer than
+    # a generation task that shows no progress (decode steps) for longer than
     # stall_timeout_factor x its predicted duration + min_stall_s is a lost worker: restarted
     stall_timeout_factor: float = 10.0  # generous: a prediction may be off several-fold
     min_stall_s: float = 120.0  # floor of that deadline: a first task has no prediction

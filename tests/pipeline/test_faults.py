@@ -113,9 +113,10 @@ def run_client(thread: threading.Thread):
     return wait_for(ready, 120, "the run's workers")
 
 
-def kill_when_processing(client, prefix: str, timeout: float = 120) -> tuple[str, int]:
-    """SIGKILL the worker on which a task whose key starts with ``prefix`` is processing;
-    returns (its name, its pid)."""
+def kill_when_processing(client, prefix: str, timeout: float = 120,
+                         sig: int = signal.SIGKILL) -> tuple[str, int]:
+    """SIGKILL (or ``sig``) the worker on which a task whose key starts with ``prefix`` is
+    processing; returns (its name, its pid)."""
     pids = client.run(os.getpid)
     names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
@@ -126,7 +127,7 @@ def kill_when_processing(client, prefix: str, timeout: float = 120) -> tuple[str
         return None
 
     address = wait_for(find, timeout, f"a task {prefix}* to be processing")
-    os.kill(pids[address], signal.SIGKILL)
+    os.kill(pids[address], sig)
     return names[address], pids[address]
 
 
@@ -151,6 +152,30 @@ def test_generation_worker_killed_mid_iteration(base_cfg, reference):
     records = metrics(run)
     assert "recover" not in {m["event"] for m in records}  # no checkpoint needed
     assert all(m["reward_timeouts"] == 0 for m in records if m["event"] == "iteration")
+
+
+@pytest.mark.slow
+def test_stopped_generation_worker_costs_its_deadline_and_loses_nothing(base_cfg, reference):
+    """A SIGSTOPped worker sends no heartbeat and never dies: only its missing decode steps
+    tell. Past its deadline it is killed and restarted as if SIGKILLed, and the run is the
+    uninterrupted one (before: it waited for as long as the worker stayed stopped)."""
+    cfg = replace(base_cfg, name="gen-stop", min_stall_s=20.0, stall_timeout_factor=2.0)
+    thread, out = train_in_thread(cfg)
+    client = run_client(thread)
+    stopped, pid = kill_when_processing(client, "generate-2-", sig=signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        run = finish(thread, out)
+    finally:
+        if psutil.pid_exists(pid):  # the test's own cleanup, whatever happened
+            os.kill(pid, signal.SIGKILL)
+    stalls = [m for m in metrics(run) if m["event"] == "stall"]
+    assert [(s["worker"], s["key"][:11]) for s in stalls] == [(stopped, "generate-2-")], stalls
+    stall = stalls[0]
+    assert stall["deadline_s"] == 2.0 * stall["predicted_s"] + 20.0
+    assert stall["no_progress_s"] > stall["deadline_s"]
+    assert stall["time"] - stopped_at < 2 * stall["deadline_s"]  # not "as long as stopped"
+    assert_same_run(run, reference)
 
 
 def test_trainer_killed_mid_update_recovers_from_checkpoint(base_cfg, reference):
