@@ -6,8 +6,9 @@
   (stages ``WATCHED``: a chunk, a resumed, adopted or moved tail) being processed. Its
   progress clock is the later of when it was first seen processing and when its worker's
   beat count last changed (decode steps, ``ops/progress.py``, reported with the worker's
-  heartbeats); until the task's first beat (its engine loads, its prompts prefill) the
-  worker's heartbeats count as progress too. A task whose clock is older than
+  heartbeats); a task is watched from its first beat on (its engine load and prefill are
+  not: under load they went tens of seconds without a heartbeat reaching the scheduler).
+  A task whose clock is older than
   ``stall_timeout_factor`` x its predicted duration (Dask's running mean of its stage's
   durations; 0 before one finished) + ``min_stall_s`` has a stalled worker: a
   stopped (SIGSTOP) or hung process. Its nanny kills and restarts it, exactly as after a
@@ -81,9 +82,9 @@ class StallWatch(SchedulerPlugin):
                     continue
                 live.add((address, ts.key))
                 first, beats_then = self.seen.setdefault((address, ts.key), (now, count))
-                since = max(first, self.moved.get(address, (None, 0.0))[1])
-                if count == beats_then:  # not decoding yet: a live process is progress
-                    since = max(since, ws.last_seen)
+                if count == beats_then:  # not decoding yet (engine load, prefill)
+                    continue
+                since = max(first, self.moved[address][1])
                 deadline = self.deadline_s(ts)
                 if now - since > deadline and address not in self.restarting:
                     self.restarting.add(address)

@@ -30,6 +30,7 @@ import torch
 from distributed.client import _get_global_client
 from safetensors.torch import load_file
 
+from rlhfless.ops.progress import BEATS_METRIC
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.loop import train
@@ -154,6 +155,19 @@ def test_generation_worker_killed_mid_iteration(base_cfg, reference):
     assert all(m["reward_timeouts"] == 0 for m in records if m["event"] == "iteration")
 
 
+def _beats(dask_scheduler, prefix: str) -> dict[str, int]:
+    return {a: ws.metrics.get(BEATS_METRIC, 0) for a, ws in dask_scheduler.workers.items()
+            if any(str(ts.key).startswith(prefix) for ts in ws.processing)}
+
+
+def decoding(client, prefix: str) -> bool:
+    """Whether a worker processing a task ``prefix``* has sent decode beats during it."""
+    first = client.run_on_scheduler(_beats, prefix=prefix)
+    time.sleep(1.5)  # a heartbeat or more
+    now = client.run_on_scheduler(_beats, prefix=prefix)
+    return any(now.get(a, 0) > n for a, n in first.items())
+
+
 @pytest.mark.slow
 def test_stopped_generation_worker_costs_its_deadline_and_loses_nothing(base_cfg, reference):
     """A SIGSTOPped worker sends no heartbeat and never dies: only its missing decode steps
@@ -162,6 +176,7 @@ def test_stopped_generation_worker_costs_its_deadline_and_loses_nothing(base_cfg
     cfg = replace(base_cfg, name="gen-stop", min_stall_s=20.0, stall_timeout_factor=2.0)
     thread, out = train_in_thread(cfg)
     client = run_client(thread)
+    wait_for(lambda: decoding(client, "generate-2-"), 120, "generate-2-* decoding")
     stopped, pid = kill_when_processing(client, "generate-2-", sig=signal.SIGSTOP)
     stopped_at = time.time()
     try:
