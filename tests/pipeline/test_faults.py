@@ -114,10 +114,9 @@ def run_client(thread: threading.Thread):
     return wait_for(ready, 120, "the run's workers")
 
 
-def kill_when_processing(client, prefix: str, timeout: float = 120,
-                         sig: int = signal.SIGKILL) -> tuple[str, int]:
-    """SIGKILL (or ``sig``) the worker on which a task whose key starts with ``prefix`` is
-    processing; returns (its name, its pid)."""
+def kill_when_processing(client, prefix: str, timeout: float = 120) -> tuple[str, int]:
+    """SIGKILL the worker on which a task whose key starts with ``prefix`` is processing;
+    returns (its name, its pid)."""
     pids = client.run(os.getpid)
     names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
@@ -128,7 +127,7 @@ def kill_when_processing(client, prefix: str, timeout: float = 120,
         return None
 
     address = wait_for(find, timeout, f"a task {prefix}* to be processing")
-    os.kill(pids[address], sig)
+    os.kill(pids[address], signal.SIGKILL)
     return names[address], pids[address]
 
 
@@ -160,12 +159,22 @@ def _beats(dask_scheduler, prefix: str) -> dict[str, int]:
             if any(str(ts.key).startswith(prefix) for ts in ws.processing)}
 
 
-def decoding(client, prefix: str) -> bool:
-    """Whether a worker processing a task ``prefix``* has sent decode beats during it."""
-    first = client.run_on_scheduler(_beats, prefix=prefix)
-    time.sleep(1.5)  # a heartbeat or more
-    now = client.run_on_scheduler(_beats, prefix=prefix)
-    return any(now.get(a, 0) > n for a, n in first.items())
+def stop_when_decoding(client, prefix: str) -> tuple[str, int]:
+    """SIGSTOP a worker once it sent decode beats while processing a task ``prefix``*;
+    returns (its name, its pid)."""
+    pids = client.run(os.getpid)
+    names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    first: dict[str, int] = {}
+
+    def find():
+        for address, count in client.run_on_scheduler(_beats, prefix=prefix).items():
+            if count > first.setdefault(address, count):
+                return address
+        return None
+
+    address = wait_for(find, 120, f"a task {prefix}* to decode")
+    os.kill(pids[address], signal.SIGSTOP)
+    return names[address], pids[address]
 
 
 @pytest.mark.slow
@@ -176,8 +185,7 @@ def test_stopped_generation_worker_costs_its_deadline_and_loses_nothing(base_cfg
     cfg = replace(base_cfg, name="gen-stop", min_stall_s=20.0, stall_timeout_factor=2.0)
     thread, out = train_in_thread(cfg)
     client = run_client(thread)
-    wait_for(lambda: decoding(client, "generate-2-"), 120, "generate-2-* decoding")
-    stopped, pid = kill_when_processing(client, "generate-2-", sig=signal.SIGSTOP)
+    stopped, pid = stop_when_decoding(client, "generate-2-")
     stopped_at = time.time()
     try:
         run = finish(thread, out)
