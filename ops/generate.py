@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from .forward import forward_with_cache, layer_tensors, left_pad, positions_of
 from .gen_stats import GenerationStats
+from .progress import beat
 from .schema import PROMPTS, ROLLOUTS, check_columns
 from .seeds import index_keys, sequence_keys, uniforms
 
@@ -280,6 +281,7 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
             dec.logprobs[seq].append(lp)
         stats.decode_tokens += len(dec.live)
         stats.decode_steps += 1
+        beat()  # the stall watch sees this task move
         stopped = tokens == eos_id
         for seq in dec.live[stopped].tolist():
             dec.reasons[seq] = "stop"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import tomllib
-from dask.utils import parse_timedelta
+from dask.utils import parse_bytes, parse_timedelta
 
 from rlhfless.ops.env import BUILTIN_ENVIRONMENTS
 from rlhfless.schedulers.policy import ElasticKnobs
@@ -47,6 +47,9 @@ RENAMED = {"tau_migrate": "tau"}
 
 # a run name is one path component: runs/<name>/ never points outside runs/
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# the least worker_memory: a worker process holds ~250 MiB once torch is imported, before any
+# task, and Dask pauses a worker at 80 % of its limit, so below this it would never run one
+MIN_WORKER_MEMORY = 512 << 20
 
 
 class ConfigError(ValueError):
@@ -147,7 +150,11 @@ class Config:
     lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
     lora_target_modules: list[str] = field(  # module names that get adapters
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    worker_memory: str = "4GiB"
+    worker_memory: str = "4GiB"  # per worker process, a size as Dask reads it ("4GiB", "500MB")
+    # a generation task that shows no progress (decode steps) for longer than
+    # stall_timeout_factor x its predicted duration + min_stall_s is a lost worker: restarted
+    stall_timeout_factor: float = 10.0  # generous: a prediction may be off several-fold
+    min_stall_s: float = 120.0  # floor of that deadline: a first task has no prediction
     scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
     dashboard: bool = False  # serve Dask's dashboard: plain HTTP any local user can read
     dashboard_address: str = "127.0.0.1:0"  # where it listens when dashboard = true
@@ -183,7 +190,7 @@ class Config:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
         for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s",
-                    "emulate_time_scale"):
+                    "emulate_time_scale", "stall_timeout_factor", "min_stall_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         try:
@@ -196,22 +203,26 @@ class Config:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
             raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
-        if self.algorithm == "rloo" and self.n_samples < 2:
-            raise ConfigError("n_samples must be >= 2 for algorithm = 'rloo'")
+        if self.n_samples < 2:  # one sample is its group's mean: every advantage is 0
+            raise ConfigError(f"n_samples = {self.n_samples} must be >= 2 for algorithm = "
+                              f"{self.algorithm!r}: a group of one sample has advantage 0, "
+                              "so nothing would be trained")
         if self.gen_gpus < 0 or self.train_gpus < 0:
             raise ConfigError("gen_gpus and train_gpus must be >= 0")
         if not 0 < self.job_start_timeout_s < math.inf:
             raise ConfigError(f"job_start_timeout_s = {self.job_start_timeout_s} must be a "
                               "number of seconds > 0")
         try:
-            walltime_seconds(self.walltime)
+            if walltime_seconds(self.walltime) == 0:
+                raise ValueError(f"walltime = {self.walltime!r} must be longer than 0")
         except ValueError as err:
             raise ConfigError(str(err)) from None
         try:
             lifetime = parse_timedelta(self.worker_lifetime or "0s")
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):
             raise ConfigError(f"worker_lifetime = {self.worker_lifetime!r}: use a duration "
                               "such as '55m' or '3300s'") from None
+        memory_bytes(self.worker_memory)
         if lifetime >= walltime_seconds(self.walltime):
             raise ConfigError(f"worker_lifetime = {self.worker_lifetime!r} must be shorter than "
                               f"walltime = {self.walltime!r}: workers leave before the batch "
@@ -307,6 +318,21 @@ def check_mode(cfg: Config) -> None:
             raise ConfigError(f"{key} = {getattr(cfg, key)} must be >= 1")
     if cfg.max_wall_s < 0:
         raise ConfigError(f"max_wall_s = {cfg.max_wall_s} must be >= 0 (0: no limit)")
+
+
+def memory_bytes(memory: str) -> int:
+    """Bytes of ``worker_memory`` as Dask reads it (``parse_bytes``); ``ConfigError`` unless
+    it is a size of at least ``MIN_WORKER_MEMORY``."""
+    allowed = (f"use a size of at least {MIN_WORKER_MEMORY >> 20} MiB per worker, such as "
+               "'4GiB' or '2000MB'")
+    try:
+        size = parse_bytes(memory)
+    except (ValueError, TypeError):
+        raise ConfigError(f"worker_memory = {memory!r} is not a size: {allowed}") from None
+    if size < MIN_WORKER_MEMORY:
+        raise ConfigError(f"worker_memory = {memory!r} is {size} bytes, too little: {allowed} "
+                          "(a worker holds ~250 MiB before any task)")
+    return size
 
 
 def walltime_seconds(walltime: str) -> int:

@@ -44,6 +44,7 @@ from .recovery import Durable, open_run
 from .runs import RunDir, umask
 from .sampler import PromptSampler
 from .specs import load_prompt_sets, make_specs, resolve_model
+from .supervise import drain_stalls, supervise
 
 
 class Diverged(RuntimeError):
@@ -106,6 +107,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
           observed(run, pc.dashboard_link, on_metrics)):
         if pc.dashboard_link:
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
+        supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
         eg = ElasticGeneration(pc, cfg, run, policy)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
@@ -115,6 +117,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
         said_reward_errors = False
         while done < cfg.iterations:
+            say_stalls(run, pc, log)
             iteration, t0 = done + 1, time.time()
             try:
                 record, table, weights = runner.step(iteration, weights)
@@ -140,4 +143,14 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 break
         runner.close()  # batches generated ahead of a stop
         eg.log_queue_targets(done)
+        say_stalls(run, pc, log)
     write_ledger(run, ledger, durable.totals_before)
+
+
+def say_stalls(run: RunDir, pc: PoolCluster, log) -> None:
+    """Record and say the workers restarted because a task of theirs stalled."""
+    for record in drain_stalls(pc):
+        run.append_metrics({"event": "stall", **record})
+        log(f"worker {record['worker']} made no progress on {record['key']} for "
+            f"{record['no_progress_s']:.1f} s (deadline {record['deadline_s']:.1f} s): "
+            "restarted, its tasks run again")

@@ -25,6 +25,16 @@ def test_defaults_and_overrides(tmp_path):
         ("top_p=1.5", ["top_p"]),
         ("share_prefixes=1", ["share_prefixes", "bool"]),
         ("lr", ["expected key=value"]),
+        ("worker_memory=lots", ["worker_memory = 'lots' is not a size", "512 MiB"]),
+        ("worker_memory='-1GB'", ["worker_memory = '-1GB'", "too little", "512 MiB"]),
+        ("worker_memory='64MiB'", ["worker_memory = '64MiB'", "too little"]),
+        ("worker_lifetime='1e400s'", ["worker_lifetime = '1e400s'", "duration"]),
+        ("worker_lifetime=soon", ["worker_lifetime = 'soon'", "duration"]),
+        ("walltime='0'", ["walltime = '0'", "longer than 0"]),
+        ("walltime='tomorrow'", ["walltime = 'tomorrow'", "HH:MM:SS"]),
+        ("min_stall_s=0", ["min_stall_s", "> 0"]),
+        ("stall_timeout_factor=-1", ["stall_timeout_factor", "> 0"]),
+        ("job_start_timeout_s=0", ["job_start_timeout_s", "> 0"]),
     ],
 )
 def test_bad_key_or_value_is_one_clear_line(override, words):
@@ -45,6 +55,11 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
-def test_rloo_needs_two_samples():
-    with pytest.raises(ConfigError, match="rloo"):
-        Config(algorithm="rloo", n_samples=1)
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_a_group_needs_two_samples(algorithm):
+    """One sample is its group's mean (GRPO) or has no others to leave out (RLOO): every
+    advantage would be 0 and nothing trained."""
+    with pytest.raises(ConfigError, match=f"n_samples = 1 must be >= 2 for algorithm = "
+                                          f"'{algorithm}'"):
+        Config(algorithm=algorithm, n_samples=1)
+    assert Config(algorithm=algorithm, n_samples=2).n_samples == 2

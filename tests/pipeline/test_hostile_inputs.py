@@ -9,6 +9,7 @@ probes hold a run in a second, real process (``HOLDER``) and kill it with SIGKIL
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -271,3 +272,46 @@ def test_an_accepted_change_on_resume_is_recorded_old_and_new(tree, resumable):
     assert changes[0]["resumed_from"] == "iter-00002"
     saved = RunDir(resumable).read_json("config.json")
     assert (saved["iterations"], saved["eval_every"]) == (4, 2)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("worker_memory=lots", "config error: worker_memory = 'lots' is not a size: use a size of "
+                           "at least 512 MiB per worker, such as '4GiB' or '2000MB'"),
+    ("worker_memory='1kB'", "config error: worker_memory = '1kB' is 1000 bytes, too little"),
+    ("worker_lifetime='1e400s'", "config error: worker_lifetime = '1e400s': use a duration"),
+])
+def test_bad_sizes_and_durations_fail_before_the_cluster_starts(tree, value, message):
+    """Once a worker with a bad memory limit started, the run hung for minutes in hundreds of
+    tracebacks; the value is refused in one line before anything starts or is written."""
+    before = snapshot(tree)
+    done = subprocess.run([sys.executable, "-m", "rlhfless.pipeline.cli", "train", "--set",
+                           value, "--set", "name='fresh'"], cwd=tree, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"rlhfless: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and not done.stdout, done.stderr
+    assert snapshot(tree) == before
+
+
+def no_file_over_1_mib() -> None:
+    """A disk that takes no file over 1 MiB (the write fails, EFBIG, as on a full disk): the
+    tiny model's weights (3.4 MB) cannot be published."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+@pytest.mark.slow
+def test_a_task_that_fails_ends_the_run_in_one_line(tiny_model_dir, tmp_path):
+    """The publish task fails on the trainer; the run ends in the one line of the CLI, not
+    after Dask's "Compute Failed" block with the task's traceback (nor a nanny's warnings)."""
+    cmd = [sys.executable, "-m", "rlhfless.pipeline.cli", "train", "--no-progress"]
+    for s in (f"model='{tiny_model_dir}'", "name='full'", "iterations=1", "batch_prompts=4",
+              "n_samples=2", "max_new_tokens=8", "heldout_prompts=4", "gen_workers=1",
+              "train_threads=1"):
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          preexec_fn=no_file_over_1_mib)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "File too large" in lines[0], done.stderr
+    assert lines[0].startswith("rlhfless: unexpected ") and "Compute Failed" not in done.stderr
