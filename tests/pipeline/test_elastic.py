@@ -120,18 +120,26 @@ def test_pool_scales_through_dask_adaptive(cluster):
     assert new[0] not in cluster.ledger.running()  # billed until its process exited
 
 
+def _timed_sleep(seconds: float) -> tuple[float, float]:
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time()
+
+
 def test_ledger_agrees_with_measured_lifetime(cluster):
+    """The billed life lies inside the driver's window (grow called .. retire returned) and
+    holds the task the worker ran: orders of clock readings, whatever the machine's load."""
     requested = time.time()
     (name,) = cluster.grow("gen", 1)
-    cluster.client.submit(time.sleep, 2.0, workers=[cluster.address_of(name)],
-                          pure=False).result()
+    ran = cluster.client.submit(_timed_sleep, 2.0, workers=[cluster.address_of(name)],
+                                pure=False).result()
     assert cluster.retire([name]) == [name]  # returns once the worker process has exited
     gone = time.time()
     cluster.sync_events()
     life = next(r for r in cluster.ledger.records() if r["name"] == name)
-    billed = life["worker_s"]
-    measured = gone - requested
-    assert abs(billed - measured) <= 0.05 * measured, (billed, measured)
+    assert requested <= life["t_start"] <= life["t_ready"] <= ran[0]
+    assert ran[0] + 2.0 <= ran[1] <= life["t_end"] <= gone
+    assert life["worker_s"] == pytest.approx(life["t_end"] - life["t_start"])
 
 
 def _until(done, timeout: float = 10.0) -> None:
