@@ -138,3 +138,20 @@ def test_an_unguarded_driver_script_fails_in_one_line_instead_of_hanging(tmp_pat
     assert done.returncode != 0
     assert "did not connect within 8 s" in done.stderr
     assert "__main__" in done.stderr
+
+
+@pytest.mark.parametrize(("keys", "host"), [({"scheduler_host": "127.0.0.2"}, "127.0.0.2"),
+                                            ({"interface": "lo"}, "127.0.0.1")])
+def test_scheduler_host_and_interface_choose_where_the_scheduler_listens(tmp_path, keys, host):
+    """A real PBS cluster object (its scheduler starts here; no job is submitted, there is
+    no PBS server to take one): the scheduler listens on ``scheduler_host``, or on the
+    address of ``interface``, which the workers' job script is told too."""
+    cfg = Config(cluster="pbs", runs_dir=str(tmp_path), **keys)
+    deployment = deployment_from_config(cfg, tmp_path / "run")
+    cluster = deployment.make_cluster([])
+    try:
+        assert cluster.scheduler_address.split("://")[1].rsplit(":", 1)[0] == host
+    finally:
+        cluster.close()
+    script = deployment.job_script(GEN)
+    assert ("--interface lo" in script) == ("interface" in keys)
