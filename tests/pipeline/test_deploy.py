@@ -155,3 +155,23 @@ def test_scheduler_host_and_interface_choose_where_the_scheduler_listens(tmp_pat
         cluster.close()
     script = deployment.job_script(GEN)
     assert ("--interface lo" in script) == ("interface" in keys)
+
+
+def test_the_local_dashboard_serves_no_route_that_changes_the_cluster(tmp_path):
+    """The local cluster's dashboard (distributed's default routes): it answers, but the
+    HTTP API that retires workers or sets an adaptive target is not served."""
+    import urllib.error
+    import urllib.request
+
+    cluster = LocalDeployment().make_cluster([])
+    try:
+        base = cluster.dashboard_link.rsplit("/", 1)[0]
+        with urllib.request.urlopen(f"{base}/health", timeout=30) as answer:
+            assert answer.status == 200
+        for route in ("api/v1/retire_workers", "api/v1/adaptive_target", "api/v1/get_workers"):
+            request = urllib.request.Request(f"{base}/{route}", data=b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=30)
+            assert err.value.code in (404, 405), route
+    finally:
+        cluster.close()
