@@ -138,3 +138,40 @@ def test_an_unguarded_driver_script_fails_in_one_line_instead_of_hanging(tmp_pat
     assert done.returncode != 0
     assert "did not connect within 8 s" in done.stderr
     assert "__main__" in done.stderr
+
+
+@pytest.mark.parametrize(("keys", "host"), [({"scheduler_host": "127.0.0.2"}, "127.0.0.2"),
+                                            ({"interface": "lo"}, "127.0.0.1")])
+def test_scheduler_host_and_interface_choose_where_the_scheduler_listens(tmp_path, keys, host):
+    """A real PBS cluster object (its scheduler starts here; no job is submitted, there is
+    no PBS server to take one): the scheduler listens on ``scheduler_host``, or on the
+    address of ``interface``, which the workers' job script is told too."""
+    cfg = Config(cluster="pbs", runs_dir=str(tmp_path), **keys)
+    deployment = deployment_from_config(cfg, tmp_path / "run")
+    cluster = deployment.make_cluster([])
+    try:
+        assert cluster.scheduler_address.split("://")[1].rsplit(":", 1)[0] == host
+    finally:
+        cluster.close()
+    script = deployment.job_script(GEN)
+    assert ("--interface lo" in script) == ("interface" in keys)
+
+
+def test_the_local_dashboard_serves_no_route_that_changes_the_cluster(tmp_path):
+    """The local cluster's dashboard (distributed's default routes): it answers, but the
+    HTTP API that retires workers or sets an adaptive target is not served."""
+    import urllib.error
+    import urllib.request
+
+    cluster = LocalDeployment().make_cluster([])
+    try:
+        base = cluster.dashboard_link.rsplit("/", 1)[0]
+        with urllib.request.urlopen(f"{base}/health", timeout=30) as answer:
+            assert answer.status == 200
+        for route in ("api/v1/retire_workers", "api/v1/adaptive_target", "api/v1/get_workers"):
+            request = urllib.request.Request(f"{base}/{route}", data=b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=30)
+            assert err.value.code in (404, 405), route
+    finally:
+        cluster.close()

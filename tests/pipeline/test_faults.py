@@ -217,6 +217,33 @@ def test_trainer_killed_mid_update_recovers_from_checkpoint(base_cfg, reference)
     assert_same_run(run, reference)
 
 
+@pytest.mark.slow  # a run killed part way: ~30 s
+def test_a_trainer_lost_more_than_max_recoveries_ends_the_run(base_cfg):
+    """With max_recoveries = 0 the first lost trainer ends the run with an error that names
+    the key, instead of going back to the checkpoint."""
+    thread, out = train_in_thread(replace(base_cfg, name="no-recoveries", max_recoveries=0))
+    client = run_client(thread)
+    wait_for(lambda: (Path(base_cfg.runs_dir) / "no-recoveries/checkpoints/iter-00001/"
+                      "COMMITTED").exists() or not thread.is_alive(), 300, "checkpoint 1")
+    assert kill_when_processing(client, "update-2")[0] == "train-0"
+    with pytest.raises(RuntimeError, match="more than max_recoveries = 0"):
+        finish(thread, out)
+    records = metrics(Path(base_cfg.runs_dir) / "no-recoveries")
+    assert "recover" not in {m["event"] for m in records}
+    assert [m["iteration"] for m in records if m["event"] == "iteration"] == [1]
+
+
+def test_max_wall_s_stops_after_the_iteration_past_it(base_cfg):
+    """Any positive max_wall_s shorter than one iteration: the run stops after its first
+    iteration, checkpointed, with the later iterations not run."""
+    run = train(replace(base_cfg, name="wall", max_wall_s=1e-6), progress=False,
+                log=lambda *_: None).path
+    records = metrics(run)
+    assert [m["iteration"] for m in records if m["event"] == "iteration"] == [1]
+    assert (run / "checkpoints/iter-00001/COMMITTED").exists()
+    assert not (run / "rollouts/iter-00002.parquet").exists()
+
+
 @pytest.mark.slow
 def test_driver_killed_then_resume_skips_a_partial_checkpoint(base_cfg, reference, tmp_path):
     name = "driver-kill"
