@@ -40,8 +40,8 @@ import torch
 import zarr
 from safetensors.torch import load_file, save_file
 
-from rlhfless.pipeline.checkpoint import crc32c, fsync_tree
-from rlhfless.pipeline.zarr_state import get_tensors, put_tensors
+from rlhfless.pipeline.durable.checkpoint import crc32c, fsync_tree
+from rlhfless.pipeline.durable.zarr_state import get_tensors, put_tensors
 
 
 def make_state(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:

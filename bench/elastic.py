@@ -17,9 +17,9 @@ import json
 import tempfile
 import time
 
-from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.train.loop import train
 
 
 def run_policy(policy: str, args, runs_dir: str) -> dict:

@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/emulated.py [--workers 16 64] [--iterations 3] [--time-scale 0.05]
 
-The paper-physical scenario (``pipeline/simulate.py``: Qwen2.5-3B on L40S, GSM8K-like
+The paper-physical scenario (``pipeline/sim/simulate.py``: Qwen2.5-3B on L40S, GSM8K-like
 lengths, 1,024 prompts x 8 samples, a 16-GPU learner) runs on 16 and 64 emulated generation
-workers, elastic and static, through ``pipeline/emulated.run_emulated`` (real Dask worker
+workers, elastic and static, through ``pipeline/train/emulated.run_emulated`` (real Dask worker
 processes, plugin, ledger, ``ElasticGeneration``; generation and update timed by the
 profile), and through the simulator with the same trace, profile (``as_live``), learner and
 policy knobs. Prints one JSON line: per configuration, step seconds and generation
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--time-scale", type=float, default=0.05)
     args = p.parse_args(argv)
     from rlhfless.pipeline.config import make_config
-    from rlhfless.pipeline.emulated import as_live, run_emulated, simulator_policy
-    from rlhfless.pipeline.simulate import paper_scenarios
-    from rlhfless.schedulers.simulator import ClusterConfig, simulate
-    from rlhfless.schedulers.workloads import synthetic_trace
+    from rlhfless.pipeline.sim.simulate import paper_scenarios
+    from rlhfless.pipeline.train.emulated import as_live, run_emulated, simulator_policy
+    from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
+    from rlhfless.schedulers.sim.workloads import synthetic_trace
 
     scenario = paper_scenarios()[0]  # paper-physical
     trace = synthetic_trace(dataclasses.replace(scenario.workload, iterations=args.iterations))

@@ -19,10 +19,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhfless.ops.generate import SamplingParams, decode
-from rlhfless.ops.load import read_prompts
-from rlhfless.ops.prefix_dedup import plan_prefixes
-from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.data.prefix_dedup import plan_prefixes
+from rlhfless.ops.engine.generate import SamplingParams, decode
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 
 
 def ours(model, tok, ids, plan_lens, n, params) -> int:

@@ -8,7 +8,7 @@
 # 2. hf_bf16: the hf backend (bf16 on CUDA) against transformers' generate(), greedy, on the
 #    embedded tiny model: the fraction of responses that are token for token the same, and
 #    the tokens/s of each;
-# 3. vllm_tests: tests/ops/test_vllm_backend.py on the real engine (passed / failed counts);
+# 3. vllm_tests: tests/ops/engine/test_vllm_backend.py on the real engine (passed / failed counts);
 # 4. nccl_update: one update on 2 ranks (FSDP2, NCCL, a LocalCluster of 2 workers, one GPU
 #    each) against the same update on 1 rank: the largest gradient difference relative to
 #    the gradient's scale. Needs 2 GPUs; with fewer it reports "skipped" and why.
@@ -39,10 +39,10 @@ PY="$VENV/bin/python"
 import json, time
 import torch
 from transformers import AutoTokenizer
-from rlhfless.ops.backend import HFBackend
-from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.load import read_prompts
-from rlhfless.ops.tinymodel import ensure_tiny_model
+from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 
 path = ensure_tiny_model(log=lambda *_: None)
 engine = HFBackend(path, "cuda", 1)
@@ -77,7 +77,7 @@ EOF
 HF_RC=$?
 
 # ---- 3. the vLLM backend's tests on the real engine -------------------------------------
-"$PY" -m pytest -q -p no:cacheprovider tests/ops/test_vllm_backend.py >"$OUT_DIR/vllm.log" 2>&1
+"$PY" -m pytest -q -p no:cacheprovider tests/ops/engine/test_vllm_backend.py >"$OUT_DIR/vllm.log" 2>&1
 VLLM_RC=$?
 
 # ---- 4. a 2-rank NCCL update against 1 rank ----------------------------------------------
@@ -91,9 +91,9 @@ if torch.cuda.device_count() < 2:
                       "NCCL needs one GPU per rank"}))
     raise SystemExit(0)
 from distributed import Client, LocalCluster
-from rlhfless.ops.tinymodel import ensure_tiny_model
-from rlhfless.pipeline.ranks import form_group, on_ranks
-from rlhfless.pipeline.trainer_tasks import leave_trainer_task
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
+from rlhfless.pipeline.tasks.ranks import form_group, on_ranks
+from rlhfless.pipeline.tasks.trainer import leave_trainer_task
 import test_ranks as g
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ the mean and ``std / sqrt(n)`` of those differences. It does not include the spr
 training runs; ``accuracy_at_budget_each_run`` shows that.
 
 ``replay-longest`` is mode replay with ``replay_longest = true``: the replayed groups
-replace the prompts of the batch predicted longest (pipeline/modes.py) rather than the last
+replace the prompts of the batch predicted longest (pipeline/train/modes.py) rather than the last
 drawn. Its row-count Amdahl bound below would not bound it, so none is given.
 
 Throughput is samples trained (fresh and replayed) per second of training, from the first
@@ -51,20 +51,20 @@ from statistics import mean
 
 import numpy as np
 
-from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.tinymodel import ensure_tiny_model
-from rlhfless.pipeline.bookkeeping import heldout_rollouts
-from rlhfless.pipeline.cluster import PoolCluster, pools_from_config
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
+from rlhfless.pipeline.cluster.pools import PoolCluster, pools_from_config
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.loop import load_prompt_sets, make_specs, resolve_model, train
-from rlhfless.pipeline.runs import RunDir
+from rlhfless.pipeline.durable.runs import RunDir
+from rlhfless.pipeline.report.bookkeeping import heldout_rollouts
+from rlhfless.pipeline.train.loop import load_prompt_sets, make_specs, resolve_model, train
 from rlhfless.schedulers.ledger import CostLedger
 
 MODES = ("sync", "async", "replay", "async+replay")
 # a bench mode beside the config's: replay whose groups replace the prompts predicted longest
 LONGEST = "replay-longest"
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-# replay diagnostics (ops/replay_stats.py, ops/update.py), averaged over iterations
+# replay diagnostics (ops/replay/stats.py, ops/algo/update.py), averaged over iterations
 DIAGNOSTICS = ("replay_share", "replay_grad_token_share", "replay_age_mean",
                "tis_weight_mean_older", "fresh_informative_frac", "response_len_mean",
                "response_len_max", "fresh_reward_mean", "replayed_reward_mean")

@@ -2,7 +2,7 @@
 turn, greedy, in float64, on the embedded multi-turn task (tally-tool: its warm-started model,
 its held-out prompts, its lookup environment).
 
-Both runs play the same episodes (``ops/episode.run_episodes``, ``keep_kv`` True / False);
+Both runs play the same episodes (``ops/rollouts/episode.run_episodes``, ``keep_kv`` True / False);
 the bench checks that their token ids are identical and reports seconds and prefill tokens
 of each (median of ``--repeats``, interleaved). Prints one JSON line.
 
@@ -19,11 +19,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhfless.ops.episode import EpisodeParams, run_episodes
-from rlhfless.ops.gen_stats import GenerationStats
-from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.load import read_prompts
-from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.gen_stats import GenerationStats
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
+from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
 
 
 def play(model, tok, prompts, keep_kv: bool, max_turns: int):

@@ -1,6 +1,6 @@
 """Record a short real run for the simulator's calibration test (tests/data/recorded_run/).
 
-Runs the synchronous pipeline (``rlhfless.pipeline.loop.train``) on the tiny default model
+Runs the synchronous pipeline (``rlhfless.pipeline.train.loop.train``) on the tiny default model
 and task for a few iterations on a LocalCluster, then copies its ``config.json`` and
 ``metrics.jsonl`` and a slim copy of every ``rollouts/iter-N.parquet`` (the columns the
 simulator replays: ids, lengths, workers, timings, rewards; heavy ones like ``logprobs`` and
@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.train.loop import train
 
 KEEP_COLUMNS = (
     "prompt_id", "prompt_ids", "sample_idx", "response_ids", "finish_reason", "worker",

@@ -27,7 +27,7 @@ from statistics import mean, median
 import psutil
 
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.loop import train
+from rlhfless.pipeline.train.loop import train
 
 SETTINGS = {"tls": {}, "plain": {"enabled": False}}
 

@@ -21,11 +21,11 @@ import dataclasses
 import json
 import time
 
-from rlhfless.pipeline.simulate import paper_scenarios, pat_scenarios, run_pat, run_scenario
+from rlhfless.pipeline.sim.simulate import paper_scenarios, pat_scenarios, run_pat, run_scenario
 from rlhfless.schedulers.profiles import get_profile
-from rlhfless.schedulers.sim_policy import ELASTIC
-from rlhfless.schedulers.simulator import ClusterConfig, simulate
-from rlhfless.schedulers.workloads import GSM8K, synthetic_trace
+from rlhfless.schedulers.sim.sim_policy import ELASTIC
+from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
+from rlhfless.schedulers.sim.workloads import GSM8K, synthetic_trace
 
 
 def _operating_point(point: dict[str, float] | None) -> dict[str, float] | None:

@@ -3,14 +3,14 @@ vs split (the heaviest tail shed to the lightest worker) vs PAT reconfiguration,
 long-tail setting of the embedded task.
 
 For each model size (``--models``: the embedded ``tiny`` model and bench-size variants of it,
-``ops/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
+``ops/toy/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
 
 1. warm both workers (model load outside the measurement) and measure the decode step
    profile reconfiguration decides from (``tail.measure_profile``: 1 thread on both workers
    at once, 2 threads on one alone; a reconfiguration must pay by its medians and by each
    of its repeats);
 2. run the same prompts (``LongTailTallyTask``: most lists 2-5 items, a tenth 18-24)
-   under each tail mode of ``pipeline/tail.py``, regrowing and warming the pool between
+   under each tail mode of ``bench/tail_harness.py``, regrowing and warming the pool between
    modes; generation seconds and the pool's worker-seconds (from the cost ledger) and
    core-seconds; each checks every (prompt, sample) exactly once;
 3. audit the transfer-vs-recompute choice: tails of several sizes are moved both ways
@@ -24,7 +24,7 @@ batches whose consolidated batch lies beyond the largest measured one are listed
 latency a perfect rebalancing or the longest response alone could give:
 ``tail_cost.latency_bound``).
 
-``wide64`` (``wide``'s weights generated in float64, ``ops/benchmodel.py`` BENCH_DTYPES) is
+``wide64`` (``wide``'s weights generated in float64, ``ops/toy/benchmodel.py`` BENCH_DTYPES) is
 where a second thread pays on this machine; ``tiny`` (and ``wide``, float32) where it does
 not. Prints one JSON line.
 ``python bench/tail.py [--models tiny,wide64] [--prompts 24] [--audit 6] [--modes static,...]``
@@ -43,20 +43,20 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 import torch
+from tail_harness import MODES, TailModels, measure_profile, run_tail
 from transformers import AutoTokenizer
 
-from rlhfless.ops.backend import resolve_dtype
-from rlhfless.ops.benchmodel import BENCH_SIZES, bench_dtype, ensure_bench_model
-from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.kv_transfer import kv_bytes_per_token
-from rlhfless.ops.load import read_prompts
-from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
-from rlhfless.pipeline.cluster import Pool, PoolCluster
-from rlhfless.pipeline.engines import EngineSpec
-from rlhfless.pipeline.rollout_tasks import GenSpec, drop_task, generate_chunk_task, generate_task
-from rlhfless.pipeline.tail import MODES, TailModels, measure_profile, run_tail
-from rlhfless.pipeline.tail_tasks import (
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.backend import resolve_dtype
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.toy.benchmodel import BENCH_SIZES, bench_dtype, ensure_bench_model
+from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
+from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
+from rlhfless.pipeline.tasks.engines import EngineSpec
+from rlhfless.pipeline.tasks.rollout import GenSpec, drop_task, generate_chunk_task, generate_task
+from rlhfless.pipeline.tasks.tail import (
     adopt_tails_task,
     export_tail_task,
     move_actual_s,

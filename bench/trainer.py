@@ -41,14 +41,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhfless.ops import parallel
-from rlhfless.ops.lora import LoraSpec, add_adapters
-from rlhfless.ops.parallel import Ranks, inner, local_part, wrap_model
-from rlhfless.ops.publish import publish_weights
-from rlhfless.ops.schema import TRAINABLE
-from rlhfless.ops.update import UpdateParams, update_policy
-from rlhfless.pipeline.ranks import form_group, on_ranks, store_dir, this_rank
-from rlhfless.pipeline.trainer_tasks import leave_trainer_task
+from rlhfless.ops.algo import parallel
+from rlhfless.ops.algo.parallel import Ranks, inner, local_part, wrap_model
+from rlhfless.ops.algo.update import UpdateParams, update_policy
+from rlhfless.ops.data.schema import TRAINABLE
+from rlhfless.ops.engine.lora import LoraSpec, add_adapters
+from rlhfless.ops.engine.publish import publish_weights
+from rlhfless.pipeline.tasks.ranks import form_group, on_ranks, store_dir, this_rank
+from rlhfless.pipeline.tasks.trainer import leave_trainer_task
 
 PARAMS = UpdateParams(lr=1e-4, micro_batch_tokens=1024)
 

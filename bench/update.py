@@ -4,7 +4,7 @@ sequence per row.
 Same model (the embedded tiny default, float32, ``--threads`` torch threads), same batch
 (``--prompts`` train prompts × ``--samples`` sampled responses, at most 64 new tokens), same
 loss (the sum of the response tokens' log-probabilities). ``ours`` is
-``ops.forward.response_logprobs`` (each distinct prompt once, responses in chunks of
+``ops.engine.forward.response_logprobs`` (each distinct prompt once, responses in chunks of
 similar length); ``per_row`` is the usual layout of RL trainers without padding removal:
 prompt + response of every row, right-padded, rows sorted by length, in micro-batches of at
 most ``--micro-batch-tokens`` padded tokens. Each runs ``--repeats`` times, interleaved; the
@@ -23,11 +23,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhfless.ops.forward import response_logprobs, right_pad
-from rlhfless.ops.generate import SamplingParams, decode
-from rlhfless.ops.load import read_prompts
-from rlhfless.ops.tinymodel import ensure_tiny_model
-from rlhfless.ops.update import pack_micro_batches
+from rlhfless.ops.algo.update import pack_micro_batches
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.forward import response_logprobs, right_pad
+from rlhfless.ops.engine.generate import SamplingParams, decode
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 
 
 def per_row_pass(model, prompts, responses, pad_id: int, budget: int) -> int:

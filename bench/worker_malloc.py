@@ -20,8 +20,8 @@ import time
 
 from distributed import Client, LocalCluster, Nanny
 
-from rlhfless.ops.tinymodel import ensure_tiny_model
-from rlhfless.pipeline.deploy import MALLOC_ENV, PoolNanny
+from rlhfless.ops.toy.tinymodel import ensure_tiny_model
+from rlhfless.pipeline.cluster.deploy import MALLOC_ENV, PoolNanny
 
 
 def stage_seconds(model_path: str, prompts: int, samples: int) -> dict:
@@ -31,11 +31,11 @@ def stage_seconds(model_path: str, prompts: int, samples: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhfless.ops.advantage import compute_advantages
-    from rlhfless.ops.generate import SamplingParams, generate_rollouts
-    from rlhfless.ops.load import read_prompts
-    from rlhfless.ops.reward import score
-    from rlhfless.ops.update import UpdateParams, update_policy
+    from rlhfless.ops.algo.advantage import compute_advantages
+    from rlhfless.ops.algo.update import UpdateParams, update_policy
+    from rlhfless.ops.data.load import read_prompts
+    from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+    from rlhfless.ops.rollouts.reward import score
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

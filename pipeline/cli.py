@@ -22,21 +22,21 @@ import dask
 from dask.core import get_dependencies
 from dask.utils import key_split
 
-from rlhfless.ops.publish import WeightsRef
-from rlhfless.ops.records import BadRow
-from rlhfless.ops.schema import PROMPTS
+from rlhfless.ops.data.records import BadRow
+from rlhfless.ops.data.schema import PROMPTS
+from rlhfless.ops.engine.publish import WeightsRef
 
-from .checkpoint import add_export_parser, export_from_args
 from .config import ConfigError, load_config
-from .graph import STAGE_COLOURS, iteration_graph
-from .loop import Diverged, make_specs, train
-from .recovery import ResumeError, resume_config
-from .report import add_parser as add_report_parser
-from .report import run_from_args as report_from_args
-from .runs import RunDir, RunDirError
-from .simulate import add_parser as add_simulate_parser
-from .simulate import run_from_args as simulate_from_args
+from .durable.checkpoint import add_export_parser, export_from_args
+from .durable.recovery import ResumeError, resume_config
+from .durable.runs import RunDir, RunDirError
+from .report.page import add_parser as add_report_parser
+from .report.page import run_from_args as report_from_args
+from .sim.simulate import add_parser as add_simulate_parser
+from .sim.simulate import run_from_args as simulate_from_args
 from .task_keys import parse_key, stage_of
+from .train.graph import STAGE_COLOURS, iteration_graph
+from .train.loop import Diverged, make_specs, train
 
 
 def render_graph(cfg, filename: str) -> str:

@@ -19,10 +19,10 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
-from rlhfless.ops.env import BUILTIN_ENVIRONMENTS
+from rlhfless.ops.rollouts.env import BUILTIN_ENVIRONMENTS
 from rlhfless.schedulers.policy import ElasticKnobs
 
-from .security import check_security
+from .cluster.security import check_security
 
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
@@ -81,7 +81,8 @@ class Config:
     require_answers: bool = True  # a prompt without ground truth is a bad row
     task: str = "tally"  # with model = "tiny": the embedded task (tally-tool: multi-turn;
     # tally-long: the long-tail setting's prompts, LongTailTallyTask, on the default model)
-    # multi-turn rollouts (ops/episode.py): on when an environment is set (or task needs one)
+    # multi-turn rollouts (ops/rollouts/episode.py): on when an environment is set (or task needs
+    # one)
     environment: str = ""  # "python", "tally-tool" or "module:Class"; empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
     max_turns: int = 4
@@ -125,7 +126,8 @@ class Config:
     policy: str = "static"
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
-    # backend = "emulated" (ops/emulated_backend.py): tasks take the time a GPU profile says
+    # backend = "emulated" (pipeline/tasks/emulated_backend.py): tasks take the time a GPU profile
+    # says
     emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
     emulate_time_scale: float = 0.05  # wall seconds per emulated second
     cluster: str = "local"
@@ -145,7 +147,7 @@ class Config:
     train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
     train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights
     gradient_checkpointing: bool = False  # recompute layers in backward: less memory, rows
-    # then run whole (no shared-prompt forward; ops/forward.py)
+    # then run whole (no shared-prompt forward; ops/engine/forward.py)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (peft; the lora extra)
     lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
     lora_target_modules: list[str] = field(  # module names that get adapters
@@ -292,11 +294,11 @@ class Config:
 
 
 def check_mode(cfg: Config) -> None:
-    """The knobs of the async and replay modes (pipeline/modes.py)."""
+    """The knobs of the async and replay modes (pipeline/train/modes.py)."""
     if cfg.max_staleness < 0 or cfg.overlaps and cfg.max_staleness < 1:
         raise ConfigError(f"max_staleness = {cfg.max_staleness} must be >= 1 with mode = "
                           f"{cfg.mode!r} (0 is no overlap: mode = 'sync' or 'replay')")
-    youngest = 2 * cfg.max_staleness + 1  # see pipeline/modes.py, async+replay
+    youngest = 2 * cfg.max_staleness + 1  # see pipeline/train/modes.py, async+replay
     if cfg.overlaps and cfg.replays and cfg.replay_max_age < youngest:
         raise ConfigError(
             f"replay_max_age = {cfg.replay_max_age} must be >= 2 * max_staleness + 1 = "

@@ -15,20 +15,20 @@ from pathlib import Path
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from rlhfless.ops.episode import EpisodeParams
-from rlhfless.ops.generate import SamplingParams
-from rlhfless.ops.load import LoadResult, read_prompts
-from rlhfless.ops.lora import LoraSpec
-from rlhfless.ops.tinymodel import TASK_RECIPES, ensure_tiny_model
-from rlhfless.ops.tinytask import LongTailTallyTask, make_splits
-from rlhfless.ops.update import UpdateParams
+from rlhfless.ops.algo.update import UpdateParams
+from rlhfless.ops.data.load import LoadResult, read_prompts
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.lora import LoraSpec
+from rlhfless.ops.rollouts.episode import EpisodeParams
+from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
+from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 
 from .config import Config, ConfigError
-from .engines import EngineSpec
-from .rollout_tasks import GenSpec
-from .runs import RunDir
-from .scoring_tasks import RewardSpec
-from .trainer_tasks import TrainSpec
+from .durable.runs import RunDir
+from .tasks.engines import EngineSpec
+from .tasks.rollout import GenSpec
+from .tasks.scoring import RewardSpec
+from .tasks.trainer import TrainSpec
 
 
 @dataclass(frozen=True)

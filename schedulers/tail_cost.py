@@ -98,7 +98,7 @@ def choose_kv_path(context_tokens: int, kv_bytes: int, transfer: TransferModel,
 
 class KvCosts:
     """The transfer-vs-recompute decision and what it learns, for whoever moves tails (the
-    elastic loop's policy, ``pipeline/tail.py``): the ``TransferModel``, the KV bytes per
+    elastic loop's policy, ``bench/tail_harness.py``): the ``TransferModel``, the KV bytes per
     context token (the last transfer's, or a prior from the model's shape) and the prefill
     rate of ``throughput`` (shared with the policy's throughput model)."""
 

@@ -3,10 +3,15 @@ one finished elastic run that the report, TensorBoard and notebook tests read.""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from rlhfless.ops.tinymodel import TinyRecipe, ensure_tiny_model
-from rlhfless.ops.tinytask import TallyTask
+from rlhfless.ops.toy.tinymodel import TinyRecipe, ensure_tiny_model
+from rlhfless.ops.toy.tinytask import TallyTask
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # bench harnesses
 
 # Small enough to build in seconds; the full recipe is exercised by the slow tests.
 QUICK_RECIPE = TinyRecipe(
@@ -32,7 +37,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     """A real two-iteration run of the elastic policy on a LocalCluster: metrics, rollouts,
     decisions, ledger, dashboard record (and TensorBoard scalars when installed)."""
     from rlhfless.pipeline.config import Config
-    from rlhfless.pipeline.loop import train
+    from rlhfless.pipeline.train.loop import train
 
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path_factory.mktemp("runs")),
                  name="finished", iterations=2, batch_prompts=8, n_samples=3,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from rlhfless.ops.env import Environment, StepResult
+from rlhfless.ops.rollouts.env import Environment, StepResult
 
 LOG: dict[str, dict[str, list[str]]] = {}  # "prompt_id#sample" -> turns read, observations
 

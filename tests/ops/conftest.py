@@ -13,9 +13,9 @@ import pytest
 import torch
 from model_support import eos_prone, redraw
 
-from rlhfless.ops.schema import PROMPTS
-from rlhfless.ops.tinymodel import TinyRecipe, build_model, build_tokenizer
-from rlhfless.ops.tinytask import DATA_SOURCE
+from rlhfless.ops.data.schema import PROMPTS
+from rlhfless.ops.toy.tinymodel import TinyRecipe, build_model, build_tokenizer
+from rlhfless.ops.toy.tinytask import DATA_SOURCE
 
 torch.set_num_threads(1)  # tiny tensors: threads cost more than they save
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from model_support import eos_prone, redraw
 
-from rlhfless.ops.tinymodel import TinyRecipe, build_model
+from rlhfless.ops.toy.tinymodel import TinyRecipe, build_model
 
 
 @pytest.fixture(scope="session")

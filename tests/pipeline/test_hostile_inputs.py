@@ -22,8 +22,8 @@ import pytest
 
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.recovery import open_run, resume_config
-from rlhfless.pipeline.runs import MARKER, RunDir
+from rlhfless.pipeline.durable.recovery import open_run, resume_config
+from rlhfless.pipeline.durable.runs import MARKER, RunDir
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -121,7 +121,7 @@ def test_an_existing_run_is_not_replaced_without_overwrite(tree, capsys):
 HOLDER = textwrap.dedent("""
     import sys, time
     from rlhfless.pipeline.config import Config
-    from rlhfless.pipeline.runs import RunDir
+    from rlhfless.pipeline.durable.runs import RunDir
     run = RunDir.create(Config(runs_dir="runs", name="live"))
     run.append_metrics({"event": "iteration", "iteration": 1})  # started: not to be replaced
     print("ready", flush=True)

@@ -17,9 +17,9 @@ from rlhfless.schedulers.pat import (
     reconfig_overhead,
 )
 from rlhfless.schedulers.profiles import LINK_EFFICIENCY, get_profile
-from rlhfless.schedulers.sim_policy import VERL_TUNED
-from rlhfless.schedulers.simulator import ClusterConfig, simulate
-from rlhfless.schedulers.workloads import LONG_COT, synthetic_trace
+from rlhfless.schedulers.sim.sim_policy import VERL_TUNED
+from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
+from rlhfless.schedulers.sim.workloads import LONG_COT, synthetic_trace
 
 BASE = get_profile("Llama3.1-8B@H100")
 PROFILES = {t: BASE.variant(tp=t) for t in (1, 2, 4, 8)}

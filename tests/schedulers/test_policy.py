@@ -11,7 +11,7 @@ from rlhfless.pipeline.config import Config, ConfigError, load_config
 from rlhfless.schedulers.migration import WorkerProgress
 from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
 from rlhfless.schedulers.scaling import choose_generation_workers
-from rlhfless.schedulers.sim_policy import ELASTIC, PolicyConfig
+from rlhfless.schedulers.sim.sim_policy import ELASTIC, PolicyConfig
 from rlhfless.schedulers.throughput import ThroughputModel
 
 KNOB_NAMES = [f.name for f in dataclasses.fields(ElasticKnobs)]

@@ -1,0 +1,1 @@
+"""The RL algorithm: advantages, off-policy correction, the update, ranks."""

@@ -1,0 +1,280 @@
+"""The update stage: one clipped policy-gradient step on a batch of trainable rollouts.
+
+For every response token t of every sequence::
+
+    ratio_t = exp(logp_t - behaviour_logp_t)
+    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)
+    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator)
+    loss    = sum_t (pg_t + kl_coef * kl_t) / (response tokens in the batch)
+
+Multi-turn rollouts carry a ``loss_mask``: the sums then run over generated tokens only, and
+observation tokens (whose ``logprobs`` are placeholders) add no term to the loss or the KL.
+
+Token-level aggregation: every token of the batch weighs the same, whichever sequence it
+belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
+``micro_batch_tokens`` padded tokens and their gradients accumulated, so memory is bounded by
+the budget, not by the batch. The samples of a group share their prompt's forward pass
+(``response_logprobs``), as generation shares its prefill: with n samples per prompt the
+update runs each prompt once, not n times (``forward_tokens`` vs ``forward_tokens_naive``).
+The loss is taken per length chunk, each chunk's backward right after its forward
+(``backward_logprobs``); with FSDP2 ranks every rank runs the same passes
+(``padding_passes``: the zero-loss passes added for that, over the ranks).
+``epochs`` > 1 reuses the batch (PPO-style) with the ratio correcting for the drift.
+
+A step whose loss or gradient norm is not finite (NaN or infinite, on any rank: the ranks
+agree by a sum) is not taken: the gradients are dropped, ``optimizer.step`` is not called
+and the remaining epochs are not run; the metrics say so (``nonfinite_update`` = 1, the loss
+and gradient norm as they were) and the driver decides (``nonfinite_policy``). With
+``epochs`` = 1 the weights and optimizer state are then exactly those before the batch.
+
+Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
+the trainer's own log-probabilities before this update (the proximal policy, recorded at the
+first epoch) and each token's loss is weighted by ``min(pi_prox / pi_behaviour, tis_cap)``;
+``ops/algo/offpolicy.py`` states the objective and a hand-checkable example. The weights of the
+rows generated before the batch's newest version (the replayed rows, in the replay modes)
+are reported apart as well (``tis_weight_mean_older``, ``tis_truncated_frac_older``, over
+``older_token_frac`` of the tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from ..data.schema import TRAINABLE, check_columns
+from ..engine.forward import backward_logprobs, chunk_passes, response_logprobs
+from .offpolicy import clipped_pg
+from .parallel import (
+    Ranks,
+    agree_passes,
+    all_reduce_sum,
+    full_tensor,
+    idle_micro_batch,
+    inner,
+    split_rows,
+    sync_gradients,
+)
+
+
+@dataclass(frozen=True)
+class UpdateParams:
+    lr: float = 1e-3
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0 needs a frozen reference model
+    temperature: float = 1.0  # the sampling temperature: logprobs must match the behaviour's
+    micro_batch_tokens: int = 8192
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    tis_cap: float | None = None  # off-policy batches: cap of the TIS weight; None: on-policy
+
+
+def pack_micro_batches(prompts: list[list[int]], response_lens: list[int],
+                       budget: int) -> list[list[int]]:
+    """Row indices per micro-batch. Rows with the same prompt (the samples of a group) go
+    together, since ``response_logprobs`` computes a prompt once per micro-batch. Groups are
+    taken in order of their longest response and packed while the micro-batch's padded
+    tokens, distinct prompts × longest prompt + rows × longest response, stay within
+    ``budget``; a group over the budget by itself is split, and a row over it by itself gets
+    a micro-batch of its own."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    units: list[list[int]] = []
+    for prompt, rows in groups.items():
+        chunk: list[int] = []
+        for i in sorted(rows, key=lambda i: response_lens[i]):
+            if chunk and len(prompt) + (len(chunk) + 1) * response_lens[i] > budget:
+                units.append(chunk)
+                chunk = []
+            chunk.append(i)
+        units.append(chunk)
+    units.sort(key=lambda u: (response_lens[u[-1]], len(prompts[u[0]])))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    n_prompts = longest_prompt = longest_response = 0
+    for unit in units:
+        p, r = len(prompts[unit[0]]), response_lens[unit[-1]]
+        cost = ((n_prompts + 1) * max(longest_prompt, p)
+                + (len(current) + len(unit)) * max(longest_response, r))
+        if current and cost > budget:
+            batches.append(current)
+            current, n_prompts, longest_prompt, longest_response = [], 0, 0, 0
+        current += unit
+        n_prompts += 1
+        longest_prompt, longest_response = max(longest_prompt, p), max(longest_response, r)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _scatter_rows(values: list[list[float]], scored: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(scored.shape, dtype=torch.float32, device=scored.device)
+    flat = [v for row in values for v in row]
+    out[scored] = torch.tensor(flat, dtype=torch.float32, device=scored.device)
+    return out
+
+
+def loss_masks(trainable: pa.Table) -> list[list[int]] | None:
+    """Per row, 1 for each response token the loss trains on (``loss_mask`` of multi-turn
+    rollouts, ``schema.EPISODES``); None when the table has no such column (every token)."""
+    if "loss_mask" not in trainable.column_names:
+        return None
+    masks = trainable.column("loss_mask").to_pylist()
+    for row, (m, r) in enumerate(zip(masks, trainable.column("response_ids").to_pylist())):
+        if len(m) != len(r):
+            raise ValueError(f"update_policy: row {row} has {len(r)} response tokens but "
+                             f"{len(m)} loss-mask entries")
+    return masks
+
+
+def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
+                  params: UpdateParams, pad_id: int, ref_model=None,
+                  ranks: Ranks | None = None) -> dict:
+    """Run ``params.epochs`` optimizer steps on ``trainable`` (reads ``prompt_ids``,
+    ``response_ids``, ``logprobs``, ``advantage``); returns the step's metrics.
+
+    ``ranks``: ``model`` is wrapped for that process group (``ops/algo/parallel.py``); every rank
+    gets the whole ``trainable``, runs its share of the groups (``split_rows``) and the
+    metrics are the whole batch's."""
+    check_columns(trainable, TRAINABLE, "update_policy")
+    if params.kl_coef > 0 and ref_model is None:
+        raise ValueError("update_policy: kl_coef > 0 needs a reference model")
+    prompts = trainable.column("prompt_ids").to_pylist()
+    responses = trainable.column("response_ids").to_pylist()
+    behaviour = trainable.column("logprobs").to_pylist()
+    advantages = trainable.column("advantage").to_pylist()
+    for row, (r, b) in enumerate(zip(responses, behaviour)):
+        if len(r) != len(b):
+            raise ValueError(
+                f"update_policy: row {row} has {len(r)} response tokens but {len(b)} logprobs"
+            )
+    masks = loss_masks(trainable)
+    keep = [i for i, r in enumerate(responses) if r]
+    n_tokens = sum(sum(masks[i]) for i in keep) if masks else sum(len(responses[i]) for i in keep)
+    if n_tokens == 0:
+        raise ValueError("update_policy: the batch has no response tokens")
+    if ranks is not None:  # this rank's groups; the loss still divides by the batch's tokens
+        share = split_rows([prompts[i] for i in keep], [len(responses[i]) for i in keep],
+                           ranks.world)[ranks.rank]
+        keep = [keep[j] for j in share]
+    forward, model = model, inner(model)  # forward passes skip a DDP wrapper
+    device = next(model.parameters()).device
+    micro = [[keep[j] for j in mb] for mb in pack_micro_batches(
+        [prompts[i] for i in keep], [len(responses[i]) for i in keep],
+        params.micro_batch_tokens)]
+    prompt_tokens = sum(sum(map(len, {tuple(prompts[i]) for i in mb})) for mb in micro)
+    model.train()
+    totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
+    if params.tis_cap is not None:
+        totals |= {"tis_weight_mean": 0.0, "tis_truncated_frac": 0.0}
+        version = trainable.column("policy_version").to_numpy()
+        older = version < version.max()  # [N] rows behind the batch's newest version
+        older_totals = {"tis_weight_mean_older": 0.0, "tis_truncated_frac_older": 0.0,
+                        "older_tokens": 0.0}
+    prox: dict[tuple[int, ...], torch.Tensor] = {}  # chunk's rows -> proximal logprobs
+    chunks = [chunk_passes(model, [responses[i] for i in mb]) for mb in micro]
+    passes = chunks  # every rank runs the same passes (ops/algo/parallel.py)
+    if ranks is not None and ranks.parallel == "fsdp":
+        passes = agree_passes(chunks, device)
+    scale = 1.0 if ranks is None else ranks.loss_scale
+    nonfinite = False
+    for _ in range(params.epochs):
+        optimizer.zero_grad(set_to_none=True)
+        loss_before = totals["loss"]
+        for k, agreed in enumerate(passes):
+            if k >= len(micro):
+                idle_micro_batch(model, pad_id, agreed)
+                continue
+            mb = micro[k]
+            mb_prompts, mb_responses = [prompts[i] for i in mb], [responses[i] for i in mb]
+            ref = None
+            if params.kl_coef > 0:
+                with torch.no_grad():
+                    ref, _ = response_logprobs(ref_model, mb_prompts, mb_responses, pad_id,
+                                               params.temperature)
+
+            def chunk_loss(rows: list[int], logp: torch.Tensor, scored: torch.Tensor,
+                           mb: list[int] = mb, ref: torch.Tensor | None = ref) -> torch.Tensor:
+                """The loss of the rows ``rows`` of ``mb``; adds to the metrics."""
+                idx = [mb[j] for j in rows]
+                old = _scatter_rows([behaviour[i] for i in idx], scored)
+                if masks:  # multi-turn: observation tokens take no part in the loss
+                    scored = scored & (_scatter_rows([masks[i] for i in idx], scored) > 0)
+                adv = torch.tensor([advantages[i] for i in idx], device=device)[:, None]
+                key = tuple(idx)
+                if params.tis_cap is not None and key not in prox:  # no step yet: own logps
+                    prox[key] = logp.detach()
+                terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(key),
+                                   params.tis_cap)
+                pg = per_token = terms.loss
+                if ref is not None:
+                    delta = ref[rows, :logp.shape[1]] - logp
+                    kl = torch.exp(delta) - delta - 1
+                    per_token = per_token + params.kl_coef * kl
+                    totals["kl"] += kl[scored].sum().item() / n_tokens / params.epochs
+                loss = per_token[scored].sum() / n_tokens
+                totals["loss"] += loss.item() / params.epochs
+                totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
+                for name, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
+                                    ("tis_weight_mean", terms.weight),
+                                    ("tis_truncated_frac", terms.truncated)):
+                    if name in totals:
+                        totals[name] += value[scored].sum().item() / n_tokens / params.epochs
+                if params.tis_cap is not None:
+                    mine = scored & torch.tensor(older[idx], device=device)[:, None]  # [b, r]
+                    older_totals["older_tokens"] += mine.sum().item() / params.epochs
+                    older_totals["tis_weight_mean_older"] += (
+                        terms.weight[mine].sum().item() / params.epochs)
+                    older_totals["tis_truncated_frac_older"] += (
+                        terms.truncated[mine].sum().item() / params.epochs)
+                return loss * scale
+
+            backward_logprobs(model, mb_prompts, mb_responses, pad_id, params.temperature,
+                              chunk_loss, pad_passes=agreed - chunks[k])
+        if ranks is not None:
+            sync_gradients(forward, pad_id)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
+        nonfinite = not (math.isfinite(float(full_tensor(grad_norm)))
+                         and math.isfinite(totals["loss"] - loss_before))
+        if ranks is not None:  # this rank's share of the loss: every rank must agree
+            nonfinite = all_reduce_sum({"nonfinite": float(nonfinite)}, device)["nonfinite"] > 0
+        if nonfinite:  # the weights stay as they are: no step, no further epoch
+            optimizer.zero_grad(set_to_none=True)
+            break
+        optimizer.step()
+    model.eval()
+    padding = params.epochs * (sum(a - c for a, c in zip(passes, chunks))
+                               + sum(1 + a for a in passes[len(micro):]))
+    counts = {"micro_batches": len(micro), "forward_tokens": prompt_tokens + n_tokens,
+              "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens,
+              "padding_passes": padding}
+    if ranks is not None:  # every rank's share; n_tokens is already the batch's
+        local = {"micro_batches": len(micro), "forward_tokens": prompt_tokens,
+                 "forward_tokens_naive": sum(len(prompts[i]) for i in keep),
+                 "padding_passes": padding}
+        summed = all_reduce_sum(totals | local, device)
+        totals = {k: summed[k] for k in totals}
+        counts = {k: int(summed[k]) + (n_tokens if k.startswith("forward_tokens") else 0)
+                  for k in local}
+    if params.tis_cap is not None:
+        totals |= older_summary(older_totals, n_tokens, device, ranks)
+    return totals | counts | {
+        "grad_norm": float(full_tensor(grad_norm)),
+        "tokens": n_tokens,
+        "nonfinite_update": float(nonfinite),
+    }
+
+
+def older_summary(sums: dict[str, float], n_tokens: int, device: torch.device,
+                  ranks: Ranks | None) -> dict[str, float]:
+    """Means over the older rows' tokens from their sums (over every rank's share)."""
+    if ranks is not None:
+        sums = all_reduce_sum(sums, device)
+    tokens = sums["older_tokens"]
+    return {"older_token_frac": tokens / n_tokens,
+            "tis_weight_mean_older": sums["tis_weight_mean_older"] / tokens if tokens else 0.0,
+            "tis_truncated_frac_older": (sums["tis_truncated_frac_older"] / tokens
+                                         if tokens else 0.0)}

@@ -1,0 +1,1 @@
+"""Prompt data as Arrow tables: schemas, loading, records, prefix dedup, shards."""

@@ -1,0 +1,1 @@
+"""Engines: the backend protocol, transformers, vLLM; forward, weights, KV."""

@@ -1,0 +1,184 @@
+"""The vLLM generation backend (the ``vllm`` extra), behind ``backend.GenerationBackend``.
+
+* **n samples per prompt** in one request each: ``SamplingParams(n=n_samples)``, so vLLM
+  prefills every prompt once and forks its KV for the samples; each request is seeded by
+  its prompt (``seeds.prompt_seeds``), so a prompt draws the same samples on any shard;
+* **prefix caching on** (``enable_prefix_caching=True``): prompts that share a template or
+  a few-shot prefix reuse its KV within and across calls — and ``set_weights`` resets the
+  cache (``LLM.reset_prefix_cache``), so no request ever reads KV of older weights;
+* **behaviour logprobs**: ``logprobs=0`` returns the sampled token's log-probability, and
+  the engine runs with ``logprobs_mode="processed_logprobs"`` so that it is the
+  temperature-scaled distribution the trainer recomputes (vLLM's default, raw logprobs, is
+  before temperature). With ``top_p < 1`` vLLM's processed logprobs are renormalised over
+  the nucleus, which the trainer's are not, so this backend asks for ``top_p = 1``;
+* **in-place weight update**: the trainer publishes each version as a safetensors file; every
+  vLLM worker loads it into its model (``collective_rpc`` → ``WeightLoader``, vLLM's
+  ``worker_extension_cls`` hook → ``model.load_weights``), no engine restart;
+* **sleep / wake when colocated** (``enable_sleep_mode=True``): after a rollout the engine
+  sleeps at level 1 (weights to host memory, KV dropped) so the trainer can use the device;
+  a weight update wakes the weights only, loads, then wakes the KV cache.
+
+vLLM is imported inside ``VLLMBackend.load`` and nowhere else in the package; the rest of
+this module is plain Python, so it imports (and its glue is tested against a stand-in
+engine) where vLLM cannot be installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from safetensors.torch import load_file
+
+from ..data.schema import PROMPTS, check_columns
+from .gen_stats import GenerationStats
+from .generate import SamplingParams, expand_samples, rollouts_table
+from .protocol import GenerationBackend
+from .publish import WeightsRef
+from .seeds import prompt_seeds
+
+WEIGHT_LOADER = "rlhfless.ops.engine.vllm_backend.WeightLoader"
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or an ImportError that says how to get it."""
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as err:
+        raise ImportError(f"backend = 'vllm' needs vLLM on a CUDA machine: "
+                          f"pip install 'rlhfless[vllm]' ({err})") from err
+
+
+class WeightLoader:
+    """Mixed into every vLLM GPU worker (``worker_extension_cls``); ``self`` is the worker,
+    which has ``model_runner.model`` and ``device``. Called through ``collective_rpc``."""
+
+    def rlhfless_load_weights(self, path: str) -> int:
+        """Load the published safetensors file ``path`` into the model in place; returns
+        the number of tensors loaded. Tied embeddings were stored once, as vLLM expects."""
+        state = load_file(path, device=str(self.device))
+        self.model_runner.model.load_weights(weights=state.items())
+        return len(state)
+
+
+class VLLMBackend(GenerationBackend):
+    """``vllm.LLM`` on this worker's device; see the module docstring for the contract."""
+
+    def __init__(self, model_path: str | Path, *, colocate: bool = False,
+                 gpu_memory_utilization: float = 0.5, dtype: str = "auto",
+                 max_model_len: int | None = None, seed: int = 0) -> None:
+        self.model_path = str(model_path)
+        self.colocate = colocate
+        self.engine_kwargs: dict[str, Any] = {
+            "enable_prefix_caching": True,
+            "enable_sleep_mode": colocate,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WEIGHT_LOADER,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "dtype": dtype,
+            "seed": seed,
+        }
+        if max_model_len is not None:
+            self.engine_kwargs["max_model_len"] = max_model_len
+        self.llm: Any = None
+        self._vllm: Any = None
+        self.asleep = False
+
+    def load(self) -> None:
+        started = time.perf_counter()
+        self._vllm = import_vllm()
+        self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)
+        self.load_seconds = time.perf_counter() - started
+
+    @property
+    def tokenizer(self):
+        return self._engine().get_tokenizer()
+
+    def _engine(self) -> Any:
+        if self.llm is None:
+            raise RuntimeError(f"VLLMBackend({self.model_path}): call load() first")
+        return self.llm
+
+    def set_weights(self, ref: WeightsRef) -> None:
+        llm = self._engine()
+        if self.asleep:  # weights first: the KV cache is not needed while loading
+            llm.wake_up(tags=["weights"])
+        if not Path(ref.path).is_dir():  # version 0 is the model directory, loaded already
+            loaded = llm.collective_rpc("rlhfless_load_weights", args=(ref.path,))
+            if not loaded or min(loaded) == 0:
+                raise RuntimeError(f"vLLM workers loaded no tensors from {ref.path}")
+        if self.asleep:
+            llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.reset_prefix_cache()
+        self.version = ref.version
+
+    def reset_prefix_cache(self) -> None:
+        if self._engine().reset_prefix_cache() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache (requests running)")
+
+    def sleep(self) -> None:
+        if self.colocate and not self.asleep:
+            self._engine().sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self._engine().wake_up()
+            self.asleep = False
+
+    def sampling_params(self, n_samples: int, params: SamplingParams) -> Any:
+        """vLLM's ``SamplingParams`` for ours: n samples, one logprob (the sampled token)."""
+        if params.top_p < 1 and not params.greedy:
+            raise ValueError(f"top_p = {params.top_p}: the vllm backend's logprobs are "
+                             "renormalised over the nucleus, the trainer's are not; use "
+                             "top_p = 1 with backend = 'vllm'")
+        return self._vllm.SamplingParams(
+            n=n_samples, temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0, max_tokens=params.max_new_tokens, seed=params.seed, logprobs=0)
+
+    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
+                 worker: str = "local",
+                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+        """``share_prefixes`` is vLLM's own prefix cache here (always on): the plan's
+        ``prefix_len`` is not needed, vLLM finds shared blocks by hashing."""
+        check_columns(prompts, PROMPTS, "VLLMBackend.generate")
+        llm = self._engine()
+        self.wake()
+        ids = prompts.column("prompt_ids").to_pylist()
+        start, t0 = time.time(), time.perf_counter()
+        requests = [self.sampling_params(n_samples, replace(params, seed=seed))
+                    for seed in prompt_seeds(params.seed, prompts.column("prompt_id").to_pylist())]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], requests, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        results, cached = [], 0
+        for prompt, out in zip(ids, outputs):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != n_samples:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples, asked {n_samples}")
+            cached += min(len(prompt), getattr(out, "num_cached_tokens", 0) or 0)
+            results += [_result(c) for c in samples]
+        table = rollouts_table(expand_samples(prompts, n_samples), results, self.tokenizer,
+                               policy_version=self.version, worker=worker, start=start,
+                               end=time.time())
+        tokens = sum(len(r[0]) for r in results)
+        stats = GenerationStats(prefill_tokens=sum(len(p) for p in ids) - cached,
+                                decode_tokens=tokens,
+                                decode_steps=max((len(r[0]) for r in results), default=0),
+                                decode_seconds=seconds)
+        return table, stats
+
+
+def _result(completion: Any) -> tuple[list[int], list[float], str]:
+    """(token ids, logprob of each sampled token, "stop" | "length") of one completion."""
+    tokens = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+        raise RuntimeError("vLLM returned no logprob for some sampled token (logprobs=0)")
+    logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sample with {completion.finish_reason!r}")
+    return tokens, logprobs, completion.finish_reason

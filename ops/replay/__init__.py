@@ -1,0 +1,1 @@
+"""Experience replay: the buffer of recent groups and its diagnostics."""

@@ -1,0 +1,1 @@
+"""Rollouts beyond one generation: rewards, episodes, environments, tools."""

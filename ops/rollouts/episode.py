@@ -1,0 +1,309 @@
+"""Multi-turn rollouts: generation and environment steps interleaved, per sample.
+
+``run_episodes`` plays one episode per (prompt, sample) of a shard against an environment
+(``ops/rollouts/env.py``) in *rounds*. A round decodes one turn of every live episode as one batch;
+an episode leaves the batch at EOS (or its token budget), and its environment step starts at
+once on an environment thread, while the other episodes of the round go on decoding (the
+environment's wait overlaps with their decoding). When the round's decoding is over, the
+loop collects the steps, appends each observation and starts the next round.
+
+Token ids are never re-tokenized: a trajectory is each turn's ids as sampled, EOS included,
+and each observation's ids as ``tokenizer(observation)`` gave them, concatenated in order
+(``response_ids``), with ``loss_mask`` 1 on generated and 0 on observation tokens.
+
+KV kept across turns (``keep_kv``): when an episode leaves the batch, its rows of the KV
+cache (real positions only) are kept; the next round stacks the kept caches, left-padded to
+the longest, and runs only what is new, the turn's last token and the observation
+(``generate.extend_cache``). With ``keep_kv=False`` every round prefills the whole
+conversation again, which ``bench/multiturn.py`` compares against (same tokens in float64).
+
+Limits: ``max_turns`` (then ``finish_reason = "turns"``), ``max_turn_tokens`` and
+``max_episode_tokens`` (generated + observation tokens after the prompt; a turn cut short
+without EOS, or an observation that would not fit, ends the episode with "length"), and
+``step_timeout_s`` per environment call. Every environment call (construction, ``reset``,
+``step``, ``close``) runs on a thread of the process's environment pool (``ENV_THREADS``
+threads, reused across shards; a thread started and ended per episode once hung a
+generation worker inside CPython's thread creation) under that limit, counted from its
+submission: one that raises, overruns or returns the wrong type ends that episode with
+``finish_reason = "error"`` and the reason in ``env_error``, never the shard. A call that
+hangs keeps its pool thread until it returns (Python threads cannot be killed); the episode
+does not wait for it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ..data.schema import EPISODES, SCORED
+from ..engine.gen_stats import EpisodeStats, GenerationStats
+from ..engine.generate import (
+    Decoding,
+    SamplingParams,
+    _check_context,
+    _prefix_cache,
+    _start,
+    expand_samples,
+    extend_cache,
+    rollouts_table,
+    row_keys,
+    run_decoding,
+)
+from ..engine.kv_transfer import row_kv
+from ..engine.seeds import subkeys
+from .env import Environment, check_step, resolve_environment
+from .reward import _describe
+
+ENV_THREADS = 64  # environment calls in flight at once, per process
+_ENV_POOL: list[ThreadPoolExecutor] = []  # made on first use, kept for the process
+
+
+@dataclass(frozen=True)
+class EpisodeParams:
+    environment: str  # built-in name (ops/rollouts/env.py) or "module:Class"
+    env_kwargs: dict = field(default_factory=dict)
+    max_turns: int = 4
+    max_turn_tokens: int = 64
+    max_episode_tokens: int = 192
+    step_timeout_s: float = 10.0
+    keep_kv: bool = True  # False: re-prefill the conversation every turn (the baseline)
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
+@dataclass
+class _Episode:
+    row: dict
+    prompt: list[int]
+    key: int = 0  # the sequence's sampling key; each turn draws under subkeys(key, turn)
+    env: Environment | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # ids not yet run through the model
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [1, H, T, D]
+    turns: int = 0
+    reward: float = 0.0
+    error: str | None = None
+    finish: str | None = None
+    env_seconds: float = 0.0
+    env_calls: int = 0
+
+    def kv_len(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    def fail(self, where: str, err: BaseException) -> None:
+        self.error, self.finish = f"{where}: {_describe(err)}", "error"
+
+    def append(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """Generated ids with their logprobs, or (``logprobs`` None) observation ids."""
+        self.ids += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+
+
+@dataclass
+class _Call:
+    """An environment call in flight on the process's environment threads."""
+
+    ep: _Episode
+    future: Future
+    submitted: float
+
+    def result(self, timeout_s: float):
+        """Its value, or what it raised; ``TimeoutError`` once ``timeout_s`` have passed
+        since it was submitted (the call itself is abandoned, its thread runs on)."""
+        left = self.submitted + timeout_s - time.perf_counter()
+        try:
+            return self.future.result(timeout=max(0.0, left))
+        except FutureTimeout:
+            self.ep.env_seconds += timeout_s
+            raise TimeoutError(f"timeout after {timeout_s:g}s") from None
+
+
+def _timed(ep: _Episode, fn, *args):
+    started = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        ep.env_seconds += time.perf_counter() - started
+
+
+def _env_call(ep: _Episode, fn, *args) -> _Call:
+    """Start ``fn(*args)`` on an environment thread: threads are shared by the process and
+    reused, so that episodes do not start and end threads all the time."""
+    if not _ENV_POOL:
+        _ENV_POOL.append(ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="rlhfless-env"))
+    ep.env_calls += 1
+    return _Call(ep, _ENV_POOL[0].submit(_timed, ep, fn, *args), time.perf_counter())
+
+
+def _open(ep: _Episode, cls: type[Environment], params: EpisodeParams) -> str | None:
+    ep.env = cls(**params.env_kwargs)
+    text = ep.env.reset(dict(ep.row))
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"reset returned {type(text).__name__}, expected str or None")
+    return text
+
+
+def _observe(ep: _Episode, text: str | None, tokenizer, params: EpisodeParams,
+             stats: EpisodeStats) -> None:
+    """Append an observation's ids as tokenized, or end the episode if it cannot fit."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    if len(ep.ids) + len(ids) >= params.max_episode_tokens:
+        ep.finish = "length"
+        return
+    ep.append(ids, None)
+    ep.pending += ids
+    stats.observation_tokens += len(ids)
+
+
+def _round_cache(model, eps: list[_Episode], params: EpisodeParams):
+    """The batch cache of a round: kept caches stacked, left-padded (or nothing to keep)."""
+    if not params.keep_kv:  # the baseline: the whole conversation again
+        for ep in eps:
+            ep.kv, ep.pending = [], ep.prompt + ep.ids
+    return _prefix_cache(model, [ep.kv for ep in eps], list(range(len(eps))),
+                         [ep.kv_len() for ep in eps])
+
+
+def _keep_leaving(eps: list[_Episode]):
+    """``run_decoding``'s ``on_leave``: keep the real positions of each leaving row's KV."""
+    def keep(dec: Decoding, rows: torch.Tensor) -> None:
+        for row in rows.tolist():
+            eps[int(dec.live[row])].kv = row_kv(dec.cache, dec.mask, row)
+    return keep
+
+
+@torch.inference_mode()
+def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: SamplingParams,
+                 params: EpisodeParams, *, policy_version: int, worker: str = "local",
+                 stats: GenerationStats | None = None) -> tuple[pa.Table, EpisodeStats]:
+    """One episode per (prompt, sample), prompt-major: the ``ROLLOUTS`` columns (the whole
+    trajectory as ``response_ids``) plus ``schema.EPISODES``."""
+    stats = stats if stats is not None else GenerationStats()
+    est = EpisodeStats()
+    cls = resolve_environment(params.environment)
+    rows = expand_samples(prompts, n_samples)
+    start = time.time()
+    prompt_ids = rows.column("prompt_ids").to_pylist()
+    if prompt_ids:
+        _check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
+    texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    eps = [_Episode(row | {"prompt_text": text}, ids, key, pending=list(ids))
+           for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts,
+                                          row_keys(sampling.seed, rows).tolist())]
+    eos = tokenizer.eos_token_id
+    timeout = params.step_timeout_s
+    for call in [_env_call(ep, _open, ep, cls, params) for ep in eps]:
+        try:
+            _observe(call.ep, call.result(timeout), tokenizer, params, est)
+        except BaseException as err:  # user code: recorded, this episode only
+            call.ep.fail("reset", err)
+    while live := [ep for ep in eps if ep.finish is None]:
+        steps = _play_round(model, tokenizer, live, sampling, params, eos, stats)
+        waited = time.perf_counter()
+        for call in steps:
+            ep = call.ep
+            try:
+                result = check_step(call.result(timeout))
+            except BaseException as err:
+                ep.fail("step", err)
+                continue
+            ep.reward += float(result.reward)
+            if result.done:
+                ep.finish = "stop"
+            elif ep.turns >= params.max_turns:
+                ep.finish = "turns"
+            else:
+                _observe(ep, result.observation, tokenizer, params, est)
+        est.env_wait_seconds += time.perf_counter() - waited
+    for call in [_env_call(ep, ep.env.close) for ep in eps if ep.env is not None]:
+        try:
+            call.result(timeout)
+        except BaseException as err:
+            if call.ep.error is None:  # the episode's result stands; the failure is recorded
+                call.ep.error = f"close: {_describe(err)}"
+    for ep in eps:
+        est.episodes += 1
+        est.turns += ep.turns
+        est.env_errors += ep.finish == "error"
+        est.env_seconds += ep.env_seconds
+        est.env_calls += ep.env_calls
+    table = rollouts_table(rows, [(ep.ids, ep.logprobs, ep.finish) for ep in eps], tokenizer,
+                           policy_version=policy_version, worker=worker, start=start,
+                           end=time.time())
+    return _with_episode_columns(table, eps), est
+
+
+def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams,
+                params: EpisodeParams, eos: int, stats: GenerationStats) -> list[_Call]:
+    """Decode one turn of every live episode; returns the environment steps started."""
+    budgets = [min(params.max_turn_tokens, params.max_episode_tokens - len(ep.ids))
+               for ep in live]
+    started = time.perf_counter()
+    cache, past_mask = _round_cache(model, live, params)
+    past = [ep.kv_len() for ep in live]
+    logits, mask = extend_cache(model, cache, past_mask, past, [ep.pending for ep in live],
+                                tokenizer.pad_token_id)
+    stats.prefill_tokens += sum(len(ep.pending) for ep in live)
+    next_pos = torch.tensor([p + len(ep.pending) for p, ep in zip(past, live)],
+                            device=model.device)
+    keys = subkeys(np.array([ep.key for ep in live], dtype=np.uint64),
+                   np.array([ep.turns for ep in live], dtype=np.uint64))
+    dec = _start(model, cache, logits, mask, next_pos, budgets, keys)
+    stats.prefill_seconds += time.perf_counter() - started
+    steps: list[_Call] = []
+    keep = _keep_leaving(live) if params.keep_kv else None
+
+    def on_leave(d: Decoding, rows: torch.Tensor) -> None:
+        if keep is not None:
+            keep(d, rows)
+        for row in rows.tolist():
+            seq = int(d.live[row])
+            ep, turn = live[seq], d.tokens[seq]
+            if turn[-1] != eos or len(ep.ids) + len(turn) >= params.max_episode_tokens:
+                continue  # cut short: the episode ends at "length", no step
+            text = tokenizer.decode(turn, skip_special_tokens=True)
+            steps.append(_env_call(ep, ep.env.step, text))
+
+    run_decoding(model, dec, sampling, eos, stats, on_leave=on_leave)
+    stepped = {id(call.ep) for call in steps}
+    for ep, (ids, logprobs, _) in zip(live, dec.results()):
+        ep.append(ids, logprobs)
+        ep.pending = ids[-1:]  # the turn's last token never ran through the model
+        ep.turns += 1
+        if id(ep) not in stepped:
+            ep.finish = "length"
+    return steps
+
+
+def _with_episode_columns(table: pa.Table, eps: list[_Episode]) -> pa.Table:
+    columns = {
+        "loss_mask": pa.array([ep.mask for ep in eps], pa.list_(pa.int8())),
+        "turns": pa.array([ep.turns for ep in eps], pa.int32()),
+        "env_reward": pa.array([ep.reward for ep in eps], pa.float64()),
+        "env_error": pa.array([ep.error for ep in eps], pa.string()),
+        "env_seconds": pa.array([ep.env_seconds for ep in eps], pa.float64()),
+    }
+    for name, column in columns.items():
+        table = table.append_column(EPISODES.field(name), column)
+    return table
+
+
+def score_episodes(rollouts: pa.Table) -> pa.Table:
+    """The reward stage for episodes: each is scored by its environment (``env_reward``,
+    with ``env_error`` as its ``reward_error``)."""
+    table = rollouts.append_column(SCORED.field("reward"), rollouts.column("env_reward"))
+    return table.append_column(SCORED.field("reward_error"), rollouts.column("env_error"))

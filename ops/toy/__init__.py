@@ -1,0 +1,1 @@
+"""Embedded toy models and tasks: the tiny Llama, tally, tally-tool, bench sizes."""

@@ -1,0 +1,1 @@
+"""Where workers run: pools in one SpecCluster, deployments, security."""

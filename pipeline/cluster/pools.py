@@ -1,0 +1,214 @@
+"""Pools of workers inside one Dask ``SpecCluster``, the generation pool scaled adaptively.
+
+Dask has one worker type; an RL iteration needs several: generation workers (resource
+``GEN=1``) and a trainer (``TRAIN=1``), each with its own threads. A ``Pool`` is a worker
+template (``deploy.py``); the cluster, made by a ``Deployment`` (a ``LocalCluster`` of
+worker processes on this machine, or a dask-jobqueue ``SLURMCluster`` / ``PBSCluster`` whose
+workers are batch jobs), names its workers ``<pool>-<i>`` and grows a pool through
+SpecCluster's own ``scale`` (``deploy.PoolScaling``).
+
+The generation pool scales through Dask's adaptive machinery: ``PoolAdaptive``
+(``schedulers/dask/adaptive.py``), installed with ``cluster.adapt``, reads its target from the
+scheduler's ``ElasticityPlugin``; ``scale`` sets that target (the elastic policy's count)
+and runs one adaptive step at once instead of waiting for the next periodic one. Between
+the driver's decisions the target follows the queued generation work (once the driver has
+installed the policy's sizing rule, ``install_sizing``), and the periodic steps apply it;
+``sync_events`` bills the workers they start from their request. Retiring honours the
+plugin's veto. The fixed pools (the trainer) grow by ``scale_pool``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed import Client
+
+from rlhfless.schedulers.dask.adaptive import PoolAdaptive
+from rlhfless.schedulers.dask.plugin import ElasticityPlugin, drain_events, pool_of, set_pool_target
+from rlhfless.schedulers.ledger import CostLedger
+
+from ..config import Config
+from .deploy import Deployment, LocalDeployment, Pool
+
+ADAPT_INTERVAL_S = 1.0  # Adaptive's periodic check; scale() does not wait for it
+
+
+def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
+    """The generation pool and the trainer (``train_workers`` ranks); an elastic generation
+    pool starts with one worker and grows as the policy decides."""
+    return [
+        Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
+             cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives)),
+        Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
+             cfg.train_gpus, tuple(cfg.train_job_directives)),
+    ]
+
+
+class PoolCluster:
+    """A SpecCluster whose workers are the members of named pools.
+
+    Every start and stop goes to the ``CostLedger``: billing starts when a worker is
+    requested (process start and model load are part of its cold start) and ends when its
+    process has exited (or the scheduler saw it leave). ``ElasticityPlugin`` reports
+    arrivals and departures.
+    """
+
+    def __init__(self, pools: list[Pool], ledger: CostLedger, host: str = "127.0.0.1",
+                 dashboard_address: str = "127.0.0.1:0",
+                 deployment: Deployment | None = None, adaptive_pool: str = "gen") -> None:
+        self.pools = {p.name: p for p in pools}
+        self.ledger = ledger
+        self.deployment = deployment or LocalDeployment(host, dashboard_address)
+        self.cluster = self.deployment.make_cluster([ElasticityPlugin()])
+        self.cluster.set_pools({p.name: (lambda name, p=p: self.deployment.worker_spec(p, name))
+                                for p in pools})
+        self.client = Client(self.cluster)
+        self.adaptive_pool = adaptive_pool
+        self.adaptive = self.cluster.adapt(Adaptive=PoolAdaptive, pool=adaptive_pool,
+                                           interval=ADAPT_INTERVAL_S, wait_count=1)
+        try:
+            names = [n for pool in pools for n in self.grow(pool.name, pool.size, wait=False)]
+            self.wait_for(names)
+        except BaseException:
+            self.close()
+            raise
+
+    def worker_names(self, pool: str) -> list[str]:
+        return self.cluster.pool_members(pool)
+
+    def connected(self) -> set[str]:
+        """Names of the workers connected to the scheduler now."""
+        return {str(w["name"]) for w in
+                self.client.scheduler_info(n_workers=-1)["workers"].values()}
+
+    def address_of(self, name: str) -> str:
+        for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+            if str(info["name"]) == name:
+                return address
+        raise KeyError(f"worker {name!r} is not connected")
+
+    def scale(self, pool: str, n: int, close: list[str] = ()) -> list[str]:
+        """Set the adaptive pool's target to ``n`` (``close``: which workers to close first)
+        and apply it now; returns the pool's workers after. A worker the plugin vetoes stays,
+        and the target follows what the pool became, so that no later adaptive step closes
+        a worker the caller goes on to use."""
+        if pool != self.adaptive_pool:
+            raise ValueError(f"scale({pool!r}): only pool {self.adaptive_pool!r} is adaptive")
+        self.sync_events()  # arrivals first, so that the ledger knows every worker
+        before, requested = set(self.worker_names(pool)), time.time()
+        self.client.run_on_scheduler(set_pool_target, pool=pool, n=n, close=list(close))
+        for _ in range(3):  # a vetoed worker may be free a moment later
+            self.cluster.sync(self.adaptive.adapt)
+            if len(self.worker_names(pool)) == n:
+                break
+            time.sleep(0.05)
+        after = self.worker_names(pool)
+        self.client.run_on_scheduler(set_pool_target, pool=pool, n=len(after))
+        added = sorted(set(after) - before, key=after.index)
+        for name in added:
+            self.ledger.worker_started(name, pool,
+                                       self.adaptive.requested_at.pop(name, requested))
+        gone = sorted(before - set(after))
+        self._wait_gone(gone)  # batch jobs: cancelled, and their workers gone
+        stopped = time.time()
+        for name in gone:
+            if name in self.ledger.running():
+                self.ledger.worker_stopped(name, stopped)
+        self.wait_for(added)
+        return after
+
+    def grow(self, pool: str, n: int, wait: bool = True) -> list[str]:
+        """Start ``n`` more workers of ``pool``; returns their names."""
+        if pool == self.adaptive_pool and wait:
+            before = self.worker_names(pool)
+            return [w for w in self.scale(pool, len(before) + n) if w not in before]
+        names = self.cluster.scale_pool(pool, len(self.worker_names(pool)) + n)
+        requested = time.time()
+        for name in names:
+            self.ledger.worker_started(name, pool, requested)
+        if pool == self.adaptive_pool:
+            self.client.run_on_scheduler(set_pool_target, pool=pool,
+                                         n=len(self.worker_names(pool)))
+        if wait and names:
+            self.wait_for(names)
+        return names
+
+    def wait_for(self, names: list[str]) -> None:
+        """Block until every worker in ``names`` is connected (by name, so that a retired
+        worker still on its way out is not counted), then take in the events."""
+        timeout = self.deployment.start_timeout_s
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            connected = self.connected()
+            missing = [n for n in names if n not in connected]
+            if not missing:
+                break
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(
+                    f"workers {missing} did not connect within {timeout:g} s; "
+                    f"{self.deployment.describe(self.cluster, missing)}")
+            time.sleep(0.1)
+        self.sync_events()
+
+    def retire(self, names: list[str]) -> list[str]:
+        """Retire those of ``names`` (of the adaptive pool) that no scheduler plugin vetoes (a
+        worker running a task or holding state a waiting task needs stays); their results
+        move to other workers first. Returns the names retired."""
+        members = self.worker_names(self.adaptive_pool)
+        asked = [n for n in names if n in members]
+        if not asked:
+            return []
+        after = self.scale(self.adaptive_pool, len(members) - len(asked), close=asked)
+        return [n for n in asked if n not in after]
+
+    def _wait_gone(self, names: list[str], timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while still := self.connected() & set(names):
+            if time.time() > deadline:
+                raise TimeoutError(f"retired workers {sorted(still)} still connected "
+                                   f"after {timeout:g} s")
+            time.sleep(0.1)
+
+    def sync_events(self) -> None:
+        """Move the scheduler plugin's events into the ledger. A worker the periodic
+        adaptive step started (the queue raised the target) is billed from its request; a
+        worker that leaves without being retired (it crashed, or the batch system ended it)
+        stops billing when the scheduler saw it go; a batch job that ended leaves its pool
+        (the policy grows the pool again if it needs to), a crashed local worker is
+        restarted by its nanny (billed again from its arrival)."""
+        ended = []
+        for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
+            if kind == "arrive":
+                if name not in self.ledger.running():
+                    self.ledger.worker_started(name, pool_of(name),
+                                               self.adaptive.requested_at.pop(name, t))
+                self.ledger.worker_ready(name, t)
+            elif kind == "depart" and name in self.ledger.running():
+                self.ledger.worker_stopped(name, t)
+                if not self.deployment.restarts_workers and name in self.cluster.worker_spec:
+                    ended.append(name)
+        if ended:
+            self.cluster.sync(self.cluster.scale_down, ended)
+            if any(pool_of(n) == self.adaptive_pool for n in ended):
+                self.client.run_on_scheduler(set_pool_target, pool=self.adaptive_pool,
+                                             n=len(self.worker_names(self.adaptive_pool)))
+
+    @property
+    def dashboard_link(self) -> str:
+        """The dashboard's address; empty when the deployment serves none."""
+        return self.cluster.dashboard_link if self.deployment.dashboard else ""
+
+    def close(self) -> None:
+        self.sync_events()
+        self.client.close()
+        self.cluster.close()
+        now = time.time()
+        for name in self.ledger.running():  # the scheduler is gone: stop billing now
+            self.ledger.worker_stopped(name, now)
+
+    def __enter__(self) -> PoolCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,141 @@
+"""Supervision of a run's workers: a stalled task is a lost worker, a failed task is told once.
+
+``supervise(pc, cfg)`` installs, on the run's cluster:
+
+* ``StallWatch`` (scheduler plugin): every ``CHECK_S`` it looks at each decoding task
+  (stages ``WATCHED``: a chunk, a resumed, adopted or moved tail) being processed. Its
+  progress clock is the later of when it was first seen processing and when its worker's
+  beat count last changed (decode steps, ``ops/engine/progress.py``, reported with the worker's
+  heartbeats); a task is watched from its first beat on (its engine load and prefill are
+  not: under load they went tens of seconds without a heartbeat reaching the scheduler).
+  A task whose clock is older than
+  ``stall_timeout_factor`` x its predicted duration (Dask's running mean of its stage's
+  durations; 0 before one finished) + ``min_stall_s`` has a stalled worker: a
+  stopped (SIGSTOP) or hung process. Its nanny kills and restarts it, exactly as after a
+  SIGKILL: Dask runs the lost tasks again elsewhere (generation rows are keyed by (seed,
+  iteration, prompt, sample), so every sample is still drawn once and the same). A task
+  that keeps beating is never stopped, however much longer than predicted it takes. The
+  trainer's tasks do not beat yet (a model load or a checkpoint may take minutes without a
+  decode step), so they are not watched.
+* ``WorkerHooks`` (worker plugin, on every worker, restarted ones too): the beat metric, and
+  Dask's "Compute Failed" log block silenced: every failed task reaches the driver, which
+  either recovers from it or ends the run in one line (``cli.py``; ``--debug`` shows the
+  traceback).
+
+``drain_stalls(pc)`` hands the driver the records of the workers restarted since the last
+call (the loop writes them to metrics.jsonl as ``event = "stall"`` and says one line each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.metrics import time  # the clock of the scheduler's last_seen
+from tornado.ioloop import PeriodicCallback
+
+from rlhfless.ops.engine.progress import BEATS_METRIC, beats
+
+from ..task_keys import stage_of
+
+CHECK_S = 1.0  # how often the scheduler looks for stalled tasks
+RESTART_WAIT_S = 30.0  # for a nanny to kill its stalled worker (it waits 4 s, then SIGKILL)
+WATCHED = {"generate", "resume", "continue", "adopt"}  # stages that decode (and beat)
+
+
+class StallWatch(SchedulerPlugin):
+    """Restart the worker of a task that made no progress past its deadline."""
+
+    name = "rlhfless-stall-watch"
+
+    def __init__(self, factor: float, floor_s: float) -> None:
+        self.factor, self.floor_s = factor, floor_s
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        # (worker, key) -> (first seen, the worker's beats then)
+        self.seen: dict[tuple[str, object], tuple[float, int | None]] = {}
+        self.moved: dict[str, tuple[int, float]] = {}  # worker -> (beats, when they changed)
+        self.restarting: set[str] = set()
+        self.records: list[dict] = []
+        self.last_check = time()
+        self.callback = PeriodicCallback(self.check, CHECK_S * 1000)
+        scheduler.periodic_callbacks[self.name] = self.callback
+        self.callback.start()
+
+    def deadline_s(self, ts) -> float:
+        return self.factor * max(ts.prefix.duration_average, 0.0) + self.floor_s
+
+    def check(self) -> None:
+        now, live = time(), set()
+        gap, self.last_check = now - self.last_check - CHECK_S, now
+        if gap > CHECK_S:  # this event loop was held up: time not watched is no evidence
+            self.seen = {k: (t + gap, b) for k, (t, b) in self.seen.items()}
+            self.moved = {a: (c, t + gap) for a, (c, t) in self.moved.items()}
+        for address, ws in self.scheduler.workers.items():
+            count = ws.metrics.get(BEATS_METRIC)
+            if count is not None and self.moved.get(address, (None,))[0] != count:
+                self.moved[address] = (count, now)
+            for ts in ws.processing:
+                if stage_of(ts.key) not in WATCHED:
+                    continue
+                live.add((address, ts.key))
+                first, beats_then = self.seen.setdefault((address, ts.key), (now, count))
+                if count == beats_then:  # not decoding yet (engine load, prefill)
+                    continue
+                since = max(first, self.moved[address][1])
+                deadline = self.deadline_s(ts)
+                if now - since > deadline and address not in self.restarting:
+                    self.restarting.add(address)
+                    self.records.append({
+                        "time": now, "worker": str(ws.name), "key": str(ts.key),
+                        "no_progress_s": now - since, "deadline_s": deadline,
+                        "predicted_s": max(ts.prefix.duration_average, 0.0)})
+                    asyncio.ensure_future(self.restart(address))
+        self.seen = {k: t for k, t in self.seen.items() if k in live}
+        self.moved = {a: m for a, m in self.moved.items() if a in self.scheduler.workers}
+
+    async def restart(self, address: str) -> None:
+        """Kill the worker through its nanny, which starts it again (no nanny: removed)."""
+        try:
+            await self.scheduler.restart_workers(
+                [address], timeout=RESTART_WAIT_S, wait_for_workers=False,
+                on_error="return", stimulus_id=f"stalled-{time()}")
+        finally:
+            self.restarting.discard(address)
+
+
+def _drain(dask_scheduler) -> list[dict]:
+    watch = dask_scheduler.plugins[StallWatch.name]
+    records, watch.records = watch.records, []
+    return records
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    """Not Dask's "Compute Failed" block (the driver tells the failure), nor a nanny's
+    warning that it killed a worker (the restarts here are recorded; at the end of a run,
+    and after a failure, a worker still busy is killed as it should be)."""
+    return not str(record.msg).startswith(("Compute Failed", "Worker process still alive"))
+
+
+class WorkerHooks(WorkerPlugin):
+    """The beat metric, and no "Compute Failed" block in the worker's log."""
+
+    name = "rlhfless-worker-hooks"
+
+    def setup(self, worker) -> None:
+        worker.metrics[BEATS_METRIC] = beats
+        logging.getLogger("distributed.worker").addFilter(_quiet)
+
+
+def supervise(pc, factor: float, floor_s: float) -> None:
+    """Install ``StallWatch`` and ``WorkerHooks`` on the cluster of ``pc`` (a PoolCluster)."""
+    logging.getLogger("distributed.nanny").addFilter(_quiet)  # local nannies: this process
+    pc.client.register_plugin(WorkerHooks())
+    pc.client.register_plugin(StallWatch(factor, floor_s))
+
+
+def drain_stalls(pc) -> list[dict]:
+    """The records of the workers restarted as stalled since the last call."""
+    return pc.client.run_on_scheduler(_drain)

@@ -1,0 +1,1 @@
+"""Durable runs: the run directory, zarr checkpoints, resume, recovery."""

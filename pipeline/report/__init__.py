@@ -1,0 +1,1 @@
+"""A run read back: metrics, bookkeeping, run data, plots, HTML, notebooks."""

@@ -1,0 +1,93 @@
+"""What the loop measures and records around an iteration (``modes.ModeRunner.step``).
+
+``evaluate`` measures held-out accuracy (over ``heldout_rollouts``, which the modes bench
+scores prompt by prompt); ``account`` takes in the cluster's events and returns the
+iteration's worker-seconds per pool and the length predictor's error (then the predictor
+learns the rollouts); ``say_reward_errors`` says the first reward failures in one
+line; ``write_ledger`` writes ``ledger.json`` when the run ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from rlhfless.ops.engine.gen_stats import Generated
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.policy import ElasticPolicy
+
+from ..cluster.pools import PoolCluster
+from ..config import Config
+from ..durable.runs import RunDir
+from ..specs import Specs
+from ..train.graph import rollout_graph
+
+
+def heldout_rollouts(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
+                     cfg: Config, policy: ElasticPolicy | None = None) -> pa.Table:
+    """The scored greedy rollouts of the held-out prompts with ``weights`` (``policy``:
+    predicts the work its generate tasks declare)."""
+    if not pc.worker_names("gen"):  # the elastic policy may have released every one
+        pc.grow("gen", 1)
+    _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
+                              specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
+                              tag="eval", policy=policy)
+    return Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
+
+
+def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
+             cfg: Config, policy: ElasticPolicy | None = None) -> dict:
+    """Held-out accuracy of greedy decoding with ``weights``."""
+    table = heldout_rollouts(pc, heldout, weights, specs, cfg, policy)
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    return {"policy_version": weights.version,
+            "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),
+            "heldout_response_len_mean": float(np.mean(lengths)), "heldout_n": len(table)}
+
+
+def observe_lengths(policy: ElasticPolicy, table: pa.Table) -> dict:
+    """Log the predictor's error on this batch (predicted before it saw it), then learn."""
+    ids = table.column("prompt_id").to_pylist()
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    return {f"len_pred_{k}": v for k, v in policy.observe_lengths(ids, lengths).items()}
+
+
+def account(pc: PoolCluster, ledger: CostLedger, policy: ElasticPolicy, iteration: int,
+            t0: float, table: pa.Table) -> dict:
+    """The cluster's events into the ledger; this iteration's worker-seconds per pool and
+    the length predictor's error on its rollouts (then the predictor learns them)."""
+    pc.sync_events()
+    ledger.mark("iteration", iteration, t0, time.time())
+    return observe_lengths(policy, table) | worker_seconds(ledger, t0, time.time())
+
+
+def write_ledger(run: RunDir, ledger: CostLedger, before_resume: dict) -> None:
+    run.write_json("ledger.json", {"prices": ledger.prices, "totals": ledger.totals(),
+                                   "by_iteration": ledger.by_iteration(),
+                                   "records": ledger.records(),
+                                   "before_resume": before_resume})
+
+
+def say_reward_errors(log: Callable[[str], None], iteration: int, table: pa.Table,
+                      fallback: float) -> bool:
+    """Say the first iteration with failed reward calls, in one line; True if it did."""
+    errors = table.column("reward_error").drop_null()
+    if not len(errors):
+        return False
+    log(f"iteration {iteration}: {len(errors)} of {len(table)} samples got reward_fallback = "
+        f"{fallback:g} (first: {errors[0]}); every iteration's count is reward_errors in "
+        "metrics.jsonl, and this is said once")
+    return True
+
+
+def worker_seconds(ledger: CostLedger, t0: float, t1: float) -> dict:
+    """Worker-seconds billed per pool between ``t0`` and ``t1`` (so far in the run)."""
+    out = {}
+    for pool in ledger.prices:
+        out[f"{pool}_worker_s"] = (ledger.worker_seconds(pool, until=t1)
+                                   - ledger.worker_seconds(pool, until=t0))
+    return out

@@ -1,0 +1,1 @@
+"""The simulator's front end: ``rlhfless simulate`` and its report."""

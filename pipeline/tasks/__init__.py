@@ -1,0 +1,1 @@
+"""What runs on workers: rollout, scoring, trainer, tail, emulated tasks."""

@@ -1,0 +1,42 @@
+"""What every worker's tasks share: the engine spec, and the worker a task runs on.
+
+Engines are worker-local state reached from ordinary graph tasks, not Dask Actors: graph
+tasks keep Dask's retries, resources, priorities and the rendered graph, while module
+globals keep each worker process's model warm across tasks and iterations. The first task
+on a worker loads the model (the *cold start*, measured and returned with the rollouts);
+later tasks only fetch newer weights. Each worker pins torch to its share of the cores.
+The tasks, by role:
+
+* ``rollout_tasks.py``: generation workers (resource ``GEN``) hold a generation backend
+  (hf or vllm, ``ops/engine/backend.py``) at some policy version, and the decodings paused there;
+* ``scoring_tasks.py``: rewards and advantages, stateless, on either pool;
+* ``trainer_tasks.py``: the trainer (resource ``TRAIN``) holds policy, optimizer, frozen
+  reference, updates and publishes, and writes and reads its part of a checkpoint;
+* ``tail_tasks.py``: a paused tail's KV cache moved between generation workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distributed import get_worker
+
+from rlhfless.ops.engine.lora import LoraSpec
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model_path: str
+    device: str = "auto"
+    threads: int = 1
+    backend: str = "hf"  # generation backend (ops/engine/backend.py): "hf" | "vllm"
+    colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
+    lora: LoraSpec | None = None  # LoRA adapters on the model; only they train and move
+    dtype: str = "auto"  # the hf generation engine's weights (ops/engine/backend.py DTYPES)
+
+
+def worker_name() -> str:
+    try:
+        return str(get_worker().name)
+    except ValueError:  # called outside a worker (tests, the sync scheduler)
+        return "local"

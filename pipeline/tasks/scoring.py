@@ -1,0 +1,55 @@
+"""Scoring tasks: the reward of each rollout and its advantage, stateless.
+
+Each takes a shard's rows beside their generation statistics (``Generated``) and returns
+them with columns added (``schema.SCORED``, ``schema.TRAINABLE``), the statistics passed on.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from rlhfless.ops.algo.advantage import compute_advantages
+from rlhfless.ops.data.schema import TRAINABLE
+from rlhfless.ops.engine.gen_stats import Generated
+from rlhfless.ops.rollouts.episode import score_episodes
+from rlhfless.ops.rollouts.reward import VERIFIERS, score
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    rewards: dict[str, str] = field(default_factory=dict)  # data_source -> verifier/"mod:fn"
+    default: str = "math"
+    timeout_s: float = 5.0
+    fallback: float = 0.0
+
+
+def resolve_reward(name: str):
+    """A built-in verifier by name, or a user function given as ``"module:function"``."""
+    if name in VERIFIERS:
+        return VERIFIERS[name]
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"reward {name!r}: not a verifier {sorted(VERIFIERS)} or 'module:fn'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def reward_task(rollouts: Generated, spec: RewardSpec) -> Generated:
+    """The rollouts scored (``reward``, ``reward_error``), beside the same statistics."""
+    table = rollouts.table
+    if "env_reward" in table.column_names:  # episodes: their environment scored them
+        return rollouts.with_table(score_episodes(table))
+    fns = {source: resolve_reward(name) for source, name in spec.rewards.items()}
+    return rollouts.with_table(score(table, fns, default=spec.default, timeout_s=spec.timeout_s,
+                                     fallback=spec.fallback))
+
+
+def advantage_task(scored: Generated, algorithm: str, n_samples: int) -> Generated:
+    """The scored rows with their ``advantage``, beside the same statistics."""
+    table = scored.table
+    if len(table) == 0:
+        return scored.with_table(table.append_column(TRAINABLE.field("advantage"),
+                                                     pa.array([], pa.float32())))
+    return scored.with_table(compute_advantages(table, algorithm, n_samples=n_samples))

@@ -1,0 +1,189 @@
+"""Graph tasks that move a paused tail's KV cache from one generation worker to another.
+
+A chunk (``rollout_tasks.generate_chunk_task``) leaves its unfinished sequences paused on its
+worker under a key. To continue them elsewhere *with* their KV cache:
+
+1. ``export_tail_task(key)`` runs on the source worker; its result, a ``TailKV``
+   (``ops/engine/kv_transfer.py``), stays in that worker's memory as a Dask task result;
+2. ``adopt_tails_task([that future], new_key, ...)`` is pinned to the target worker; Dask
+   fetches its argument from the source worker directly (worker to worker, never through
+   the driver), and the task rebuilds the batch there, paused under ``new_key``, together
+   with any tails already paused on the target (``local``: PAT's consolidation);
+3. ``rollout_tasks.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
+   that never moved.
+
+A tail split over several targets is cut on the source first (``take_tail_task``: each
+target fetches only its part); a worker that sheds part of its tail and decodes the rest
+itself cuts it in place (``split_tail_task``); ``adopt_tails_task`` can instead recompute
+cut rows' context on the target (``recompute``), so both paths of a move end in one paused
+decoding there, which ``resume_adopted_task`` finishes once the adoption is done.
+``move_actual_s`` reads a move's actual seconds off the adoption's facts (what
+``tail_cost.KvCosts`` learns from).
+
+Once step 2 is done the tail lives on the target alone: the driver drops the export's
+future and the source may be retired or die without loss. ``set_threads_task`` changes
+the torch threads of a worker (reconfiguration: a consolidated tail decodes wider), and
+``profile_steps_task`` measures its decode step time by batch and threads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+from distributed import Reschedule, get_client, get_worker
+
+from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
+from rlhfless.ops.engine.generate import SamplingParams, prefill_prompts, run_decoding
+from rlhfless.ops.engine.kv_transfer import (
+    TailKV,
+    export_tail,
+    import_tail,
+    recompute_tail,
+    split_tail,
+    take_tail,
+)
+from rlhfless.ops.engine.publish import WeightsRef, require_version
+
+from .engines import worker_name
+from .rollout import PAUSED, GenSpec, hf_engine, resume_task
+
+
+class TailLost(KeyError):
+    """A paused decoding this worker was asked for is not here: never paused here, already
+    moved, or its worker died and the task that held it was rerun elsewhere."""
+
+
+def _in_cluster(address: str, dask_scheduler=None) -> bool:
+    """On the scheduler: is the worker at ``address`` still there?"""
+    return address in dask_scheduler.workers
+
+
+def _take_paused(key: str, source: str | None = None) -> TailKV:
+    """The paused decoding ``key`` of this worker, exported. ``source``: the address of the
+    worker it was paused on, for a task pinned there loosely (so that a dead source's task
+    runs elsewhere and says ``TailLost``): a task that work stealing moved off a source
+    still alive goes back to the scheduler (``Reschedule``), which sends it to the source."""
+    entry = PAUSED.pop(key, None)
+    if entry is None:
+        if source is not None and source != get_worker().address \
+                and get_client().run_on_scheduler(_in_cluster, source):
+            raise Reschedule()
+        raise TailLost(f"worker {worker_name()} holds no paused decoding {key!r} "
+                       "(never paused here, already moved, or the worker restarted)")
+    dec, rows, start = entry
+    return export_tail(dec, rows, start)
+
+
+def split_tail_task(key: str, positions: list[int], source: str | None = None) -> TailKV:
+    """On the source worker (its address ``source``, as ``_take_paused``'s): the sequences
+    at ``positions`` of the paused decoding ``key`` as a ``TailKV``; the others stay paused
+    under ``key`` (all moved: ``key`` is gone)."""
+    entry = PAUSED.get(key)
+    if entry is None or len(positions) == len(entry[0].live):
+        return _take_paused(key, source)
+    dec, rows, start = entry
+    return split_tail(dec, rows, start, positions)
+
+
+def export_tail_task(key: str, source: str | None = None) -> TailKV:
+    """On the source worker (its address ``source``, as ``_take_paused``'s): the paused
+    decoding ``key`` as a ``TailKV`` (it leaves the worker's paused decodings; the result
+    is the only copy until a target adopts it)."""
+    return _take_paused(key, source)
+
+
+def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: GenSpec,
+                     local: tuple[str, ...] = (), recompute: pa.Table | None = None,
+                     seed: int | None = None) -> dict:
+    """On the target worker: the sequences of ``tails`` (fetched by Dask from the workers
+    that exported them), of this worker's paused decodings ``local`` and of the cut rows
+    ``recompute`` (their context prefilled here, their draws keyed by the ``seed`` of the
+    chunk that cut them), as one decoding paused here under ``key``.
+    Returns the move's facts: bytes and context tokens received, seconds from the last
+    export to this task's start (``transfer_s``: scheduling and the worker-to-worker
+    fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
+    arrived = time.time()
+    engine, cold = hf_engine(spec.engine, weights)
+    require_version(engine.version, weights.version, f"worker {worker_name()}")
+    own = [_take_paused(k) for k in local]
+    stats = GenerationStats()
+    if recompute is not None and len(recompute):
+        params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
+        own.append(recompute_tail(engine.model, recompute, params,
+                                  engine.tokenizer.pad_token_id, stats))
+    dec, rows = import_tail(engine.model, own + list(tails))
+    PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
+    exported = max((t.exported_at for t in tails), default=arrived)
+    return {"worker": worker_name(), "key": key, "sequences": len(rows),
+            "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
+            "context_tokens": sum(t.context_tokens for t in tails),
+            "transfer_s": max(0.0, arrived - exported),
+            "rebuild_s": time.time() - arrived - stats.prefill_seconds,
+            "recompute_s": stats.prefill_seconds, "recompute_tokens": stats.prefill_tokens,
+            "cold_start_s": cold}
+
+
+def take_tail_task(tail: TailKV, positions: list[int]) -> TailKV:
+    """On the source worker (where ``tail`` was exported): the part of it one target gets."""
+    return take_tail(tail, positions)
+
+
+def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Generated:
+    """On the target: finish the decoding ``adopt_tails_task`` paused here (its ``facts``,
+    which make this task wait for the adoption)."""
+    return resume_task(facts["key"], weights, spec)
+
+
+def move_actual_s(path: str, facts: dict) -> float:
+    """The actual seconds of a move's context reaching its target, from the adoption's
+    ``facts``: export, scheduling and fetch, rebuild for a transfer; the prefill for a
+    recomputation."""
+    if path == "transfer":
+        return facts["export_s"] + facts["transfer_s"] + facts["rebuild_s"]
+    return facts["recompute_s"]
+
+
+def set_threads_task(threads: int) -> int:
+    """Set this worker's torch intra-op threads; returns the previous count."""
+    if threads < 1:
+        raise ValueError(f"set_threads_task: threads={threads}; allowed: >= 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return before
+
+
+def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, ...],
+                       threads: tuple[int, ...], steps: int = 16, prompt_tokens: int = 48,
+                       repeats: int = 5) -> dict[tuple[int, int], list[float]]:
+    """Decode step seconds of this worker's engine by (batch, threads), ``repeats`` samples
+    each: a sample decodes ``steps`` tokens of a batch of ``prompt_tokens``-token prompts (no
+    EOS stop). Each thread count gets one untimed warm-up decode first (its thread pool
+    starts); the repeats then cycle through every (threads, batch), so a burst of outside
+    load lands on all of them alike. The worker's torch threads are restored afterwards."""
+    engine, _ = hf_engine(spec.engine, weights)
+    model, pad = engine.model, engine.tokenizer.pad_token_id
+    params = SamplingParams(max_new_tokens=steps, greedy=True)
+
+    def step_seconds(batch: int) -> float:
+        prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
+        stats = GenerationStats()
+        dec = prefill_prompts(model, prompts, 1, params, pad, None, stats)
+        run_decoding(model, dec, params, -1, stats)
+        return stats.decode_seconds / max(1, stats.decode_steps)
+
+    before = torch.get_num_threads()
+    out: dict[tuple[int, int], list[float]] = {(b, t): [] for t in threads for b in batches}
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            step_seconds(max(batches))
+        for _ in range(repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                for b in batches:
+                    out[(b, t)].append(step_seconds(b))
+    finally:
+        torch.set_num_threads(before)
+    return out

@@ -1,0 +1,1 @@
+"""Drivers of a run: the loop, the mode runner, elastic generation, the graph."""

@@ -1,0 +1,156 @@
+"""The training loop: GRPO/RLOO on Dask, one iteration after the other.
+
+    for each iteration:
+        batch    ← the next prompts, in a seeded epoch order
+        graph    ← dedup → shard → generate → reward → advantage, then update → publish
+        run it on the pools: sync, every sample by the trainer's version; async, batches
+                 generated ahead within a staleness bound; replay, groups reused
+        log metrics, the rollouts, and every ``eval_every`` the held-out accuracy
+        commit a checkpoint every ``checkpoint_every``; lost the trainer? back to the last one
+
+An update whose loss or gradient is not finite is never applied (``ops/algo/update.py``); with
+``nonfinite_policy = "stop"`` the run then ends after recording that iteration, with one line
+naming it (``Diverged``) and no checkpoint of it: the newest checkpoint is the last finite
+state; with ``"skip"`` the batch is dropped (said once per iteration) and the run goes on.
+
+Held-out accuracy is the mean reward of greedy responses to the held-out prompts. Every mode
+and both scheduling policies run through one driver, ``modes.ModeRunner``: ``step`` trains
+one iteration, generating as far ahead as the mode allows (sync: nothing ahead). What the run
+is built from (model, prompts, task specs) is ``specs.py``; the prompt order is
+``sampler.py``; what is recorded around an iteration is ``bookkeeping.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.policy import ElasticPolicy
+
+from ..cluster.deploy import deployment_from_config
+from ..cluster.pools import PoolCluster, pools_from_config
+from ..cluster.supervise import drain_stalls, supervise
+from ..config import Config
+from ..durable import checkpoint as ckpt
+from ..durable.recovery import Durable, open_run
+from ..durable.runs import RunDir, umask
+from ..report.bookkeeping import account, evaluate, say_reward_errors, write_ledger
+from ..report.observe import observed
+from ..specs import load_prompt_sets, make_specs, resolve_model
+from .elastic import ElasticGeneration
+from .inputs import check_inputs
+from .modes import ModeRunner, mode_specs
+from .sampler import PromptSampler
+
+
+class Diverged(RuntimeError):
+    """An update's loss or gradient was not finite and ``nonfinite_policy = "stop"``."""
+
+
+def check_finite(record: dict, cfg: Config, run: RunDir, log) -> None:
+    """Act on an iteration whose update was not applied for a non-finite loss or gradient:
+    ``Diverged`` (policy "stop") or one line saying the batch was skipped."""
+    if not record.get("nonfinite_update"):
+        return
+    iteration = record["iteration"]
+    found = f"loss {record.get('loss')}, grad_norm {record.get('grad_norm')}"
+    if cfg.nonfinite_policy == "skip":
+        log(f"iteration {iteration}: non-finite update ({found}); batch skipped, weights "
+            "unchanged (nonfinite_policy = 'skip')")
+        return
+    newest, _ = ckpt.latest(run.path / "checkpoints", content=False)
+    raise Diverged(f"iteration {iteration}: the loss or gradient is not finite ({found}); its "
+                   "update was not applied and the run stops (nonfinite_policy = 'stop'); "
+                   f"the newest checkpoint, {newest.name if newest else 'none'}, is the last "
+                   "finite state: export it, or start again with a lower lr or "
+                   "nonfinite_policy = 'skip'")
+
+
+def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
+          on_metrics: Callable[[dict], None] | None = None, resume: bool = False) -> RunDir:
+    """Run ``cfg.iterations`` iterations in ``cfg.mode``; returns the run directory.
+    ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
+    ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
+    The run directory is locked by this call while it runs (runs.py); a run it replaces is
+    put back if this one fails before it records its first iteration."""
+    with umask(cfg.run_umask):  # what the run and its local workers write (runs.py)
+        check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
+        run = open_run(cfg, overwrite=overwrite, resume=resume)
+        try:
+            _train_in(run, cfg, progress, log, on_metrics, resume)
+        except BaseException:
+            run.restore_replaced()  # nothing once the first iteration dropped the old run
+            raise
+        finally:
+            run.release()
+    return run
+
+
+def _train_in(run: RunDir, cfg: Config, progress: bool, log,
+              on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
+    model_path = resolve_model(cfg, log=log)
+    prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
+    run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
+                        **counts})
+    specs = mode_specs(make_specs(cfg, model_path, run), cfg)
+    sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
+    weights = WeightsRef(0, str(model_path))
+    ledger = CostLedger(cfg.prices)
+    policy = ElasticPolicy(cfg.elastic_knobs())
+    pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
+    deployment = deployment_from_config(cfg, run.path)
+    with (PoolCluster(pools, ledger, deployment=deployment) as pc,
+          observed(run, pc.dashboard_link, on_metrics)):
+        if pc.dashboard_link:
+            log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
+        supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
+        eg = ElasticGeneration(pc, cfg, run, policy)
+        durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
+        done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
+        accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
+        run.append_metrics({"event": "eval", "iteration": done, **accuracy})
+        bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
+        runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
+        said_reward_errors = False
+        while done < cfg.iterations:
+            say_stalls(run, pc, log)
+            iteration, t0 = done + 1, time.time()
+            try:
+                record, table, weights = runner.step(iteration, weights)
+                durable.check_trainer()
+            except Exception as err:  # re-raised unless the trainer was lost
+                done, weights = durable.recover(err, sampler, policy)
+                continue
+            record |= account(pc, ledger, policy, iteration, t0, table)
+            run.write_rollouts(iteration, table)
+            run.append_metrics({"event": "iteration", **record})
+            run.drop_replaced()  # the new run has started: the one it replaced goes
+            check_finite(record, cfg, run, log)
+            said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
+                                                                         cfg.reward_fallback)
+            if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
+                accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
+                run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
+            done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
+            bar.update(done - bar.n)
+            bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
+                            heldout=f"{accuracy['heldout_accuracy']:.2f}")
+            if cfg.max_wall_s and time.time() - started >= cfg.max_wall_s:
+                break
+        runner.close()  # batches generated ahead of a stop
+        eg.log_queue_targets(done)
+        say_stalls(run, pc, log)
+    write_ledger(run, ledger, durable.totals_before)
+
+
+def say_stalls(run: RunDir, pc: PoolCluster, log) -> None:
+    """Record and say the workers restarted because a task of theirs stalled."""
+    for record in drain_stalls(pc):
+        run.append_metrics({"event": "stall", **record})
+        log(f"worker {record['worker']} made no progress on {record['key']} for "
+            f"{record['no_progress_s']:.1f} s (deadline {record['deadline_s']:.1f} s): "
+            "restarted, its tasks run again")

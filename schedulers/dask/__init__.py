@@ -1,0 +1,1 @@
+"""The Dask wiring of the pure policies: scheduler plugin, adaptive scaling."""

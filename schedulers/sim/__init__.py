@@ -1,0 +1,1 @@
+"""The discrete-event simulator: engine, events, modes, workloads, bounds."""

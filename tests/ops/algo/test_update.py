@@ -1,0 +1,287 @@
+"""Tests of the update stage on real rollouts of the tiny Llama: the step moves the policy
+the way the advantages say, micro-batching changes nothing but memory, and the KL term and
+the input checks behave."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlhfless.ops.algo.update import UpdateParams, pack_micro_batches, update_policy
+from rlhfless.ops.data.schema import SCORED, TRAINABLE, check_columns
+from rlhfless.ops.engine.forward import backward_logprobs, length_chunks, response_logprobs
+from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+from rlhfless.ops.toy.tinytask import make_prompt
+
+N_SAMPLES = 2
+TEXTS = [make_prompt(["fig"]), make_prompt(["pear", "plum", "kiwi"]), make_prompt(["oat", "rye"])]
+
+
+def as_trainable(rollouts: pa.Table, advantages: list[float]) -> pa.Table:
+    n = rollouts.num_rows
+    table = rollouts.append_column(SCORED.field("reward"), pa.array(advantages, pa.float64()))
+    table = table.append_column(SCORED.field("reward_error"), pa.nulls(n, pa.string()))
+    table = table.append_column(TRAINABLE.field("advantage"), pa.array(advantages, pa.float32()))
+    check_columns(table, TRAINABLE, "test")
+    return table
+
+
+# responses cut to these lengths (a cut rollout is still a rollout: each token's logprob
+# depends only on what precedes it), so short and long responses meet in one batch
+KEEP_TOKENS = [12, 3, 7, 12, 5, 10]
+ADVANTAGES = [1.0, -1.0, 0.5, -2.0, 1.5, -0.5]  # sample 0 of each prompt > 0, sample 1 < 0
+
+
+@pytest.fixture(scope="module")
+def batch(model, tokenizer, make_prompts) -> pa.Table:
+    """Rollouts at temperature 1 (the trainer's default) with hand-set advantages."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11)
+    rollouts, _ = generate_rollouts(model, tokenizer, make_prompts(TEXTS), N_SAMPLES, params,
+                                    policy_version=0)
+    for name in ("response_ids", "logprobs"):
+        cut = [v[:k] for v, k in zip(rollouts.column(name).to_pylist(), KEEP_TOKENS)]
+        rollouts = rollouts.set_column(rollouts.schema.get_field_index(name),
+                                       rollouts.schema.field(name),
+                                       pa.array(cut, rollouts.schema.field(name).type))
+    return as_trainable(rollouts, ADVANTAGES)
+
+
+def sequence_logprobs(net, table: pa.Table) -> list[torch.Tensor]:
+    """Per row: log-probabilities [R] of the response tokens, one unpadded forward each."""
+    out = []
+    for prompt, response in zip(table.column("prompt_ids").to_pylist(),
+                                table.column("response_ids").to_pylist()):
+        ids = torch.tensor([prompt + response])
+        logp = torch.log_softmax(net(input_ids=ids).logits[0].double(), dim=-1)
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+        out.append(logp[positions, torch.tensor(response)])
+    return out
+
+
+def mean_logprob_by_sign(net, table: pa.Table) -> tuple[float, float]:
+    with torch.no_grad():
+        per_row = sequence_logprobs(net, table)
+    adv = table.column("advantage").to_pylist()
+    pos = torch.cat([lp for lp, a in zip(per_row, adv) if a > 0]).mean()
+    neg = torch.cat([lp for lp, a in zip(per_row, adv) if a < 0]).mean()
+    return float(pos), float(neg)
+
+
+def test_update_moves_the_policy_along_the_advantages(model, tokenizer, batch):
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    params = UpdateParams(clip_eps=0.2)
+    pos_before, neg_before = mean_logprob_by_sign(policy, batch)
+
+    first = update_policy(policy, optimizer, batch, params, tokenizer.pad_token_id)
+    # the behaviour logprobs recorded by generation are the policy's own: ratio 1, no clip
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert first["clip_frac"] == 0.0
+    lengths = [len(r) for r in batch.column("response_ids").to_pylist()]
+    adv = batch.column("advantage").to_pylist()
+    assert first["tokens"] == sum(lengths)
+    # at ratio 1 the surrogate is minus the token-weighted mean advantage
+    want = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
+    assert first["pg_loss"] == pytest.approx(want, abs=1e-4)
+    assert first["loss"] == pytest.approx(first["pg_loss"])
+
+    metrics = [update_policy(policy, optimizer, batch, params, tokenizer.pad_token_id)
+               for _ in range(3)]
+    assert metrics[-1]["loss"] < first["loss"]
+    assert metrics[-1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)
+    pos_after, neg_after = mean_logprob_by_sign(policy, batch)
+    assert pos_after > pos_before
+    assert neg_after < neg_before
+    assert not policy.training  # handed back in eval mode, ready to generate
+
+
+def grads_after_one_step(net, table: pa.Table, budget: int, pad_id: int):
+    policy = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    params = UpdateParams(micro_batch_tokens=budget, max_grad_norm=1e9)
+    metrics = update_policy(policy, optimizer, table, params, pad_id)
+    return {k: p.grad.clone() for k, p in policy.named_parameters()}, metrics
+
+
+def test_micro_batching_gives_the_same_gradient(model64, tokenizer, batch):
+    pad = tokenizer.pad_token_id
+    one, m_one = grads_after_one_step(model64, batch, budget=10**6, pad_id=pad)
+    many, m_many = grads_after_one_step(model64, batch, budget=1, pad_id=pad)
+    assert m_one["micro_batches"] == 1
+    assert m_many["micro_batches"] == batch.num_rows
+    # one micro-batch shares each prompt's pass among its samples, one per row does not; the
+    # sums differ only in float32 rounding (transformers' RMSNorm computes in float32 even in
+    # a float64 model), hence a tolerance at float32 precision of each tensor's scale
+    for name in one:
+        scale = float(one[name].abs().max())
+        torch.testing.assert_close(many[name], one[name], rtol=1e-5, atol=1e-6 * scale)
+    for key in ("loss", "pg_loss", "ratio_mean", "clip_frac"):
+        assert m_many[key] == pytest.approx(m_one[key], abs=1e-6)
+
+
+def test_gradient_is_token_level_mean(model64, tokenizer, batch):
+    """At ratio 1 the step's gradient is that of -sum_tokens(A * logp) / tokens in batch:
+    every token weighs the same, whichever (short or long) response it is in."""
+    grads, _ = grads_after_one_step(model64, batch, budget=64, pad_id=tokenizer.pad_token_id)
+    reference = copy.deepcopy(model64)
+    per_row = sequence_logprobs(reference, batch)
+    adv = batch.column("advantage").to_pylist()
+    n_tokens = sum(len(lp) for lp in per_row)
+    loss = -sum(a * lp.sum() for a, lp in zip(adv, per_row)) / n_tokens
+    loss.backward()
+    # the trainer computes the loss in float32 (ratio 1 to about 1e-6), hence the tolerance
+    for name, p in reference.named_parameters():
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale)
+    # a mean per sequence first, then over sequences, would weigh tokens differently
+    per_sequence = -sum(a * lp.mean() for a, lp in zip(adv, per_row)) / len(per_row)
+    assert abs(float(per_sequence.detach() - loss.detach())) > 1e-3
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.sampled_from([(1,), (1, 2), (3, 4, 5, 6), (7,) * 9]),
+                            st.integers(min_value=1, max_value=60)), max_size=40),
+    budget=st.integers(min_value=1, max_value=300),
+)
+def test_pack_micro_batches_respects_the_budget(rows, budget):
+    prompts, lengths = [list(p) for p, _ in rows], [n for _, n in rows]
+    batches = pack_micro_batches(prompts, lengths, budget)
+    assert sorted(i for mb in batches for i in mb) == list(range(len(rows)))
+    for mb in batches:
+        assert mb
+        distinct = {tuple(prompts[i]) for i in mb}
+        padded = (len(distinct) * max(map(len, distinct))
+                  + len(mb) * max(lengths[i] for i in mb))
+        assert padded <= budget or len(mb) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(min_value=1, max_value=64), max_size=60),
+       slack=st.sampled_from([0.0, 0.25, 1.0]))
+def test_length_chunks_bound_the_padding(lengths, slack):
+    lengths = sorted(lengths)
+    chunks = length_chunks(lengths, slack)
+    assert [j for c in chunks for j in c] == list(range(len(lengths)))
+    for c in chunks:
+        rows = [lengths[j] for j in c]
+        assert len(rows) * max(rows) <= (1 + slack) * sum(rows) or len(rows) == 1
+
+
+def test_response_logprobs_refuses_empty_rows(model, tokenizer):
+    for prompts, responses in (([[]], [[5]]), ([[5]], [[]])):
+        with pytest.raises(ValueError, match="non-empty prompt and response"):
+            response_logprobs(model, prompts, responses, tokenizer.pad_token_id, 1.0)
+
+
+def test_samples_of_a_group_share_their_prompt_pass(model64, tokenizer, batch):
+    """Log-probabilities with each prompt run once per group equal one unpadded forward per
+    row, and the update counts the prompt tokens it saved."""
+    prompts = batch.column("prompt_ids").to_pylist()
+    responses = batch.column("response_ids").to_pylist()
+    with torch.no_grad():
+        logp, mask = response_logprobs(model64, prompts, responses, tokenizer.pad_token_id, 1.0)
+        want = sequence_logprobs(model64, batch)
+    assert mask.sum(-1).tolist() == [len(r) for r in responses]
+    for row, expected in enumerate(want):
+        torch.testing.assert_close(logp[row, : len(expected)].double(), expected,
+                                   rtol=0, atol=1e-6)
+    _, metrics = grads_after_one_step(model64, batch, budget=10**6,
+                                      pad_id=tokenizer.pad_token_id)
+    shared = sum(len(p) for p in {tuple(p) for p in prompts})
+    assert metrics["forward_tokens"] == shared + metrics["tokens"]
+    assert metrics["forward_tokens_naive"] == sum(map(len, prompts)) + metrics["tokens"]
+
+
+def test_kl_to_an_identical_reference_is_zero(model, tokenizer, batch):
+    policy, ref = copy.deepcopy(model), copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    params = UpdateParams(kl_coef=0.5)
+    first = update_policy(policy, optimizer, batch, params, tokenizer.pad_token_id, ref)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first["loss"] == pytest.approx(first["pg_loss"], abs=1e-6)
+    second = update_policy(policy, optimizer, batch, params, tokenizer.pad_token_id, ref)
+    assert second["kl"] > 1e-6  # the policy has moved away from the reference
+    assert second["loss"] == pytest.approx(second["pg_loss"] + 0.5 * second["kl"], rel=1e-5)
+
+
+def test_kl_without_reference_raises(model, tokenizer, batch):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs a reference model"):
+        update_policy(model, optimizer, batch, UpdateParams(kl_coef=0.1), tokenizer.pad_token_id)
+
+
+def test_logprobs_of_the_wrong_length_raise(model, tokenizer, batch):
+    logprobs = batch.column("logprobs").to_pylist()
+    logprobs[3] = logprobs[3][:-1]
+    broken = batch.set_column(batch.schema.get_field_index("logprobs"),
+                              TRAINABLE.field("logprobs"),
+                              pa.array(logprobs, pa.list_(pa.float32())))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    n = len(batch.column("response_ids")[3])
+    with pytest.raises(ValueError, match=f"row 3 has {n} response tokens but {n - 1} logprobs"):
+        update_policy(model, optimizer, broken, UpdateParams(), tokenizer.pad_token_id)
+
+
+def test_missing_advantage_column_raises(model, tokenizer, batch):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="missing column 'advantage'"):
+        update_policy(model, optimizer, batch.drop_columns(["advantage"]), UpdateParams(),
+                      tokenizer.pad_token_id)
+
+
+def test_backward_per_model_call_gives_one_backwards_gradients(model64):
+    """``backward_logprobs`` (a backward after each chunk, the prompt pass's last, zero-loss
+    passes between) accumulates the gradients of one backward through ``response_logprobs``;
+    the zero-loss passes add exact zeros."""
+    prompts = [[5, 9, 11], [5, 9, 11], [5, 9, 11], [7, 8], [7, 8]]
+    responses = [[4], [6, 7, 8, 9, 10, 11, 12, 13, 14], [6, 7], [12, 13, 14], [3]]
+    weights = torch.tensor([0.5, -1.0, 2.0, 1.5, -0.25], dtype=torch.float64)
+
+    def grads(run) -> dict[str, torch.Tensor]:
+        net = copy.deepcopy(model64).train()
+        run(net)
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    def one_backward(net):
+        logp, scored = response_logprobs(net, prompts, responses, 0, 1.0)
+        (logp * scored * weights[:, None]).sum().backward()
+
+    def chunk_loss(rows, logp, scored):
+        return (logp * scored * weights[rows][:, None]).sum()
+
+    want = grads(one_backward)
+    got = grads(lambda net: backward_logprobs(net, prompts, responses, 0, 1.0, chunk_loss))
+    padded = grads(lambda net: backward_logprobs(net, prompts, responses, 0, 1.0, chunk_loss,
+                                                 pad_passes=2))
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-10, atol=1e-12)
+        assert torch.equal(padded[name], got[name]), name
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_takes_no_step(model, tokenizer, batch, bad):
+    """An advantage of NaN or inf makes the loss and gradient non-finite: the weights and the
+    optimizer state stay bit for bit, and the metrics say so."""
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    advantages = [bad, *ADVANTAGES[1:]]
+    broken = batch.set_column(batch.schema.get_field_index("advantage"),
+                              TRAINABLE.field("advantage"), pa.array(advantages, pa.float32()))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    metrics = update_policy(policy, optimizer, broken, UpdateParams(epochs=2),
+                            tokenizer.pad_token_id)
+    assert metrics["nonfinite_update"] == 1.0
+    assert not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]))
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert not optimizer.state  # no step was taken
+    assert all(p.grad is None for p in policy.parameters())
+    assert update_policy(policy, optimizer, batch, UpdateParams(),
+                         tokenizer.pad_token_id)["nonfinite_update"] == 0.0

@@ -1,0 +1,215 @@
+"""The generation backend protocol: the hf backend is the decode loop, unchanged; the vllm
+backend's glue (sampling parameters, weight updates, prefix-cache resets, sleep/wake,
+output conversion) is checked against a stand-in for ``vllm.LLM`` that records what it is
+asked — vLLM itself runs only on CUDA machines (``test_vllm_backend.py``)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.data.schema import ROLLOUTS, check_columns
+from rlhfless.ops.engine.backend import GenerationBackend, HFBackend, make_backend
+from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+from rlhfless.ops.engine.publish import WeightsRef, publish_weights
+from rlhfless.ops.engine.seeds import prompt_seeds
+from rlhfless.ops.engine.vllm_backend import VLLMBackend, WeightLoader
+
+PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir) -> pa.Table:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 5)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir) -> HFBackend:
+    backend = make_backend("hf", tiny_model_dir, "cpu", threads=1)
+    backend.load()
+    return backend
+
+
+def test_every_backend_implements_the_whole_protocol():
+    for cls in (HFBackend, VLLMBackend):
+        assert issubclass(cls, GenerationBackend) and not cls.__abstractmethods__
+
+
+def test_hf_backend_is_the_decode_loop_unchanged(hf, prompts):
+    table, stats = hf.generate(prompts, 3, PARAMS, worker="w")
+    direct, direct_stats = generate_rollouts(hf.model, hf.tokenizer, prompts, 3, PARAMS,
+                                             policy_version=0, worker="w")
+    check_columns(table, ROLLOUTS, "hf backend")
+    drop = ["gen_start", "gen_end"]
+    assert table.drop_columns(drop).equals(direct.drop_columns(drop))
+    assert stats.decode_tokens == direct_stats.decode_tokens > 0
+    assert hf.load_seconds > 0
+
+
+def test_hf_set_weights_loads_the_version_in_place(hf, prompts, tmp_path):
+    before = hf.generate(prompts, 2, PARAMS)[0].column("response_ids").to_pylist()
+    changed = HFBackend(hf.model_path, "cpu")
+    changed.load()
+    with torch.no_grad():
+        for p in changed.model.parameters():
+            p.mul_(1.5)
+    ref = publish_weights(changed.model, tmp_path, version=4)
+    hf.set_weights(ref)
+    assert hf.version == 4
+    after, _ = hf.generate(prompts, 2, PARAMS)
+    assert set(after.column("policy_version").to_pylist()) == {4}
+    assert after.column("response_ids").to_pylist() != before
+    torch.testing.assert_close(hf.model.lm_head.weight, changed.model.lm_head.weight)
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend 'tgi': choose one of"):
+        make_backend("tgi", "m")
+
+
+def test_vllm_backend_says_how_to_install_when_vllm_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # "import vllm" raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'rlhfless\[vllm\]'"):
+        make_backend("vllm", "m").load()
+
+
+# ---- a stand-in for vllm.LLM ------------------------------------------------------------
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]]
+    finish_reason: str
+
+
+@dataclass
+class FakeOutput:
+    outputs: list[FakeCompletion]
+    num_cached_tokens: int = 0
+
+
+class FakeLLM:
+    """Records every call; answers ``generate`` with sample i of prompt p = [p0 + i, 7]."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.model, self.kwargs, self.calls = model, kwargs, []
+        self.tok = types.SimpleNamespace(batch_decode=lambda ids, **_: [str(x) for x in ids])
+
+    def get_tokenizer(self):
+        return self.tok
+
+    def generate(self, prompts, requests, use_tqdm=True):
+        self.calls.append(("generate", len(prompts), requests))
+        outs = []
+        for j, (prompt, sp) in enumerate(zip(prompts, requests, strict=True)):
+            first = prompt["prompt_token_ids"][0]
+            comps = [FakeCompletion(i, [first + i, 7], [{first + i: FakeLogprob(-0.5)},
+                                                       {7: FakeLogprob(-0.25)}],
+                                    "stop" if i % 2 else "length")
+                     for i in reversed(range(sp.n))]  # out of order: the backend sorts
+            outs.append(FakeOutput(comps, num_cached_tokens=2 if j else 0))
+        return outs
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(("rpc", method, args))
+        return [3]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+        return True
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake", tags))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw:
+                                   types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def _ids_table(ids: list[list[int]]) -> pa.Table:
+    return pa.table({"prompt_id": [f"q{i}" for i in range(len(ids))],
+                     "prompt_ids": pa.array(ids, pa.list_(pa.int32())),
+                     "answer": pa.array([None] * len(ids), pa.string()),
+                     "data_source": ["tally"] * len(ids)})
+
+
+def test_vllm_engine_has_prefix_caching_processed_logprobs_and_our_weight_loader(fake_vllm):
+    backend = VLLMBackend("/models/m", colocate=True)
+    backend.load()
+    kw = backend.llm.kwargs
+    assert kw["enable_prefix_caching"] is True and kw["enable_sleep_mode"] is True
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["worker_extension_cls"] == "rlhfless.ops.engine.vllm_backend.WeightLoader"
+    assert hasattr(WeightLoader, "rlhfless_load_weights")
+
+
+def test_vllm_generate_asks_n_samples_with_one_logprob_and_keeps_prompt_order(fake_vllm):
+    backend = VLLMBackend("/models/m")
+    backend.load()
+    table, stats = backend.generate(_ids_table([[10, 1, 2], [20, 1, 2]]), 3, PARAMS,
+                                    worker="gen-0")
+    (_, n_prompts, requests), = backend.llm.calls
+    assert n_prompts == 2 and [sp.seed for sp in requests] == prompt_seeds(3, ["q0", "q1"])
+    assert requests[0].seed != requests[1].seed
+    for sp in requests:
+        assert sp.n == 3 and sp.logprobs == 0
+        assert sp.max_tokens == 12 and sp.temperature == 1.0 and sp.top_p == 1
+    check_columns(table, ROLLOUTS, "vllm backend")
+    assert table.column("prompt_id").to_pylist() == ["q0"] * 3 + ["q1"] * 3
+    assert table.column("sample_idx").to_pylist() == [0, 1, 2] * 2
+    assert table.column("response_ids").to_pylist()[:3] == [[10, 7], [11, 7], [12, 7]]
+    assert table.column("logprobs").to_pylist()[0] == [-0.5, -0.25]
+    assert table.column("finish_reason").to_pylist()[:3] == ["length", "stop", "length"]
+    assert stats.prefill_tokens == 6 - 2 and stats.decode_tokens == 12
+    greedy = backend.sampling_params(2, SamplingParams(greedy=True, top_p=0.5))
+    assert greedy.temperature == 0.0
+    with pytest.raises(ValueError, match="top_p = 0.9"):
+        backend.sampling_params(2, SamplingParams(top_p=0.9))
+
+
+def test_vllm_weight_update_resets_the_prefix_cache_and_wakes_in_order(fake_vllm, tmp_path):
+    weights = tmp_path / "v5.safetensors"
+    save_file({"w": torch.zeros(1)}, str(weights))
+    backend = VLLMBackend("/models/m", colocate=True)
+    backend.load()
+    backend.generate(_ids_table([[1, 2]]), 1, PARAMS)
+    backend.sleep()
+    backend.set_weights(WeightsRef(5, str(weights)))
+    kinds = [c[:2] if c[0] != "generate" else ("generate",) for c in backend.llm.calls]
+    assert kinds == [("generate",), ("sleep", 1), ("wake", ["weights"]),
+                     ("rpc", "rlhfless_load_weights"), ("wake", ["kv_cache"]), ("reset",)]
+    assert backend.llm.calls[3][2] == (str(weights),) and backend.version == 5
+    not_colocated = VLLMBackend("/models/m")
+    not_colocated.load()
+    not_colocated.sleep()
+    assert not_colocated.llm.calls == []
+
+
+def test_hf_backend_loads_the_dtype_asked_for(tiny_model_dir):
+    engine = make_backend("hf", tiny_model_dir, "cpu", dtype="float64")
+    engine.load()
+    assert engine.model.dtype == torch.float64
+    with pytest.raises(ValueError, match="dtype 'int8': choose one of auto, float32"):
+        make_backend("hf", tiny_model_dir, "cpu", dtype="int8").load()

@@ -1,0 +1,92 @@
+"""``rlhfless report`` on a real finished run: every image of the page is a PNG that decodes
+to a non-blank picture, every figure of ``plots.FIGURES`` is there, and the dashboard is
+linked only while the run is live."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+from matplotlib.image import imread  # noqa: E402
+
+from rlhfless.pipeline.cli import main  # noqa: E402
+from rlhfless.pipeline.report.page import RunData, write_report  # noqa: E402
+from rlhfless.pipeline.report.plots import FIGURES  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path: Path) -> tuple[int, int]:
+    """(width, height) of a valid PNG whose pixels are not all one colour."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", path
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100, (path, width, height)
+    pixels = imread(path)
+    assert pixels.shape[:2] == (height, width) and float(np.std(pixels)) > 0.01, path
+    return width, height
+
+
+def test_report_of_a_finished_run_has_every_figure_as_a_valid_png(finished_run, tmp_path):
+    page = write_report(finished_run, tmp_path / "report")
+    html = page.read_text()
+    sources = re.findall(r"<img src='([^']+)'", html)
+    assert sorted(sources) == sorted(f"{key}.png" for key in FIGURES)
+    for src in sources:
+        check_png(page.parent / src)
+    assert "not available" not in html
+    assert "Dask dashboard</a>" not in html and "has ended" in html  # the run is over
+    for heading in ("Cost ledger", "Scaling decisions", "Configuration"):
+        assert f"<h2>{heading}</h2>" in html
+    assert html.count("<tr>") > 5  # ledger rows, decisions, summary
+
+
+def test_run_data_reads_what_the_figures_need(finished_run):
+    data = RunData.load(finished_run)
+    assert [m["iteration"] for m in data.iterations] == [1, 2]
+    assert [e["iteration"] for e in data.evals] == [0, 1, 2]
+    assert sorted(data.lengths) == [1, 2] and all(len(v) == 24 for v in data.lengths.values())
+    assert data.ledger and {d["kind"] for d in data.decisions} >= {"scale", "release"}
+    assert data.dashboard["link"].startswith("http") and not data.live
+
+
+def live_copy(finished_run: Path, live: Path, link: str) -> Path:
+    """The config and metrics of ``finished_run`` in ``live``, as a run of this process that
+    serves its dashboard at ``link`` (empty: none)."""
+    live.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        (live / name).write_text((finished_run / name).read_text())
+    (live / "dashboard.json").write_text(json.dumps(
+        {"link": link, "host": socket.gethostname(), "pid": os.getpid(), "started": 0.0}))
+    return live
+
+
+def test_a_live_run_links_its_dashboard(finished_run, tmp_path):
+    link = "http://127.0.0.1:8787/status"
+    live = live_copy(finished_run, tmp_path / "live", link)
+    html = write_report(live).read_text()
+    assert f"<a href='{link}'>Dask dashboard</a>" in html
+    assert html.count("not available for this run yet") == 2  # no rollouts, no ledger yet
+    for src in re.findall(r"<img src='([^']+)'", html):
+        check_png(live / "report" / src)
+
+
+def test_cli_report_and_a_clear_error_for_a_non_run(finished_run, tmp_path, capsys):
+    assert main(["report", str(finished_run), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "index.html").exists()
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlhfless: report:") and "no metrics.jsonl" in err and "\n" not in err
+
+
+def test_a_live_run_without_a_dashboard_links_none(finished_run, tmp_path):
+    html = write_report(live_copy(finished_run, tmp_path / "live", "")).read_text()
+    assert "its Dask dashboard is off" in html and "<a href=" not in html

@@ -1,0 +1,100 @@
+"""A small emulated run: real worker processes, emulated GPUs (pipeline/train/emulated.py)."""
+
+from __future__ import annotations
+
+import json
+
+import dask
+import pytest
+
+from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
+from rlhfless.pipeline.config import ConfigError, make_config
+from rlhfless.pipeline.train.emulated import (
+    QUIET_WORKER_CONFIG,
+    EmulatedDeployment,
+    as_live,
+    run_emulated,
+    simulator_policy,
+)
+from rlhfless.pipeline.train.inputs import check_inputs
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
+from rlhfless.schedulers.sim.workloads import WorkloadConfig, synthetic_trace
+
+SCALE = 0.02
+TRACE = synthetic_trace(WorkloadConfig(
+    name="small", dataset_prompts=32, batch_prompts=8, n_samples=4, iterations=2,
+    response_p50=100.0, response_p99=400.0, max_response_tokens=512, prompt_p50=50.0,
+    prompt_p99=100.0))
+
+
+def _config(policy: str, **extra):
+    return make_config({"backend": "emulated", "policy": policy, "gen_workers": 2,
+                        "n_samples": 4, "batch_prompts": 8, "max_new_tokens": 512,
+                        "emulate_time_scale": SCALE, "worker_memory": "1GiB", **extra})
+
+
+def test_static_run_takes_the_profiles_time_plus_the_measured_overhead(tmp_path):
+    cfg = _config("static")
+    out = run_emulated(cfg, TRACE, str(tmp_path), train_gpus=1)
+    sim = simulate(TRACE, as_live(get_profile(cfg.emulate_profile)),
+                   ClusterConfig(2, 1, colocated=False), simulator_policy(cfg))
+    assert len(out["iterations"]) == 2
+    for rec, it in zip(out["iterations"], sim.iterations, strict=True):
+        assert rec["samples"] == rec["distinct_samples"] == 8 * 4  # each (prompt, sample) once
+        ideal = it.gen_s + it.update_s  # the profile's generation (sync included) + update
+        assert rec["update_s"] == pytest.approx(it.update_s)
+        assert rec["step_s"] >= ideal
+        # the critical path, generation then update, each at least its emulated time: the
+        # time no emulated task ran (the runtime's overhead) is at most the rest of the step
+        path = rec["emulated_path_s"]
+        assert rec["step_wall_s"] >= path * SCALE
+        assert 0 <= rec["overhead_wall_s"] <= rec["step_wall_s"] - path * SCALE + 1e-9
+        assert rec["runtime_s"] == pytest.approx(rec["step_s"] - path)
+        assert rec["gen_worker_s"] == pytest.approx(2 * rec["step_s"], rel=0.01)  # both billed
+    assert out["memory_peak"]["processes"] >= 3
+
+
+@pytest.mark.slow
+def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
+    cfg = _config("elastic", tau=0.5)
+    out = run_emulated(cfg, TRACE, str(tmp_path), train_gpus=1)
+    for rec in out["iterations"]:
+        assert rec["samples"] == rec["distinct_samples"] == 8 * 4
+        assert 1 <= rec["gen_workers"] <= 2
+        assert rec["step_s"] >= rec["update_s"]
+    decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [d["iteration"] for d in decisions if d["kind"] == "scale"] == [1, 2]
+    for move in (d for d in decisions if d["kind"] == "migrate"):  # no KV cache: recompute
+        assert move["path"] == "recompute" and "keeps no KV cache" in move["reason"]
+        assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
+    assert out["gen_worker_s"] > 0
+
+
+def _diagnostics() -> tuple:
+    return tuple(dask.config.get(key) for key in QUIET_WORKER_CONFIG)
+
+
+POOLS = [Pool("gen", 1, 1, {"GEN": 1}, "1GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "1GiB")]
+
+
+def test_only_generation_workers_get_the_low_rate_diagnostics():
+    gen, train = (EmulatedDeployment().worker_spec(pool, f"{pool.name}-0")["options"]
+                  for pool in POOLS)
+    assert gen["config"] == QUIET_WORKER_CONFIG and "config" not in train
+
+
+@pytest.mark.slow
+def test_generation_workers_run_dasks_diagnostics_at_a_low_rate():
+    with PoolCluster(POOLS, CostLedger(_config("static").prices),
+                     deployment=EmulatedDeployment()) as pc:
+        seen = pc.client.run(_diagnostics)
+        gen, train = seen[pc.address_of("gen-0")], seen[pc.address_of("train-0")]
+    assert gen == tuple(QUIET_WORKER_CONFIG.values()) == (False, "1s", "2s")
+    assert train == (True, "20ms", "500ms")  # the other pools keep Dask's defaults
+
+
+def test_train_refuses_the_emulated_backend():
+    with pytest.raises(ConfigError, match="emulated"):
+        check_inputs(_config("static"))

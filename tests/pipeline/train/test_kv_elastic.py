@@ -1,0 +1,195 @@
+"""KV moves inside the training loop's elastic generation, on a real LocalCluster.
+
+``ElasticGeneration.run_generation`` (one iteration's generation, scoring and advantages)
+on two float64 generation workers, sampling: the policy moves a paused tail to the other
+worker with its KV cache (the test's policy moves every paused tail, and priors make the
+transfer the cheaper path, so the move is certain; the planner's own choices are tested in
+tests/schedulers; the scaling and the transfer-or-recompute choice are the real ones here),
+the rollouts equal uninterrupted decoding of the whole batch on one worker token for token
+(every draw is keyed by the run seed, the iteration, the prompt and the sample:
+``ops/engine/seeds.py``), every (prompt, sample) comes out once, and ``decisions.jsonl`` records
+each move's path, predicted and actual seconds and bytes, which the policy has learned from.
+A source killed after its export and before the target's adoption loses nothing (slow): the
+move lands again, recomputed from the cut rows, and the rollouts are the same.
+A short training run on the long-tail task (``task = "tally-long"``) returns every (prompt,
+sample) once and logs whatever moves its policy plans the same way (slow; at this size and
+load the real policy often plans none: one worker at lambda 0.5, and no move that pays at
+lambda 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from distributed import wait
+from worker_support import kill_worker
+
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.data.prefix_dedup import plan_prefixes
+from rlhfless.ops.engine.gen_stats import Generated
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.engine.seeds import generation_seed
+from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
+from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.durable.runs import RunDir
+from rlhfless.pipeline.specs import make_specs
+from rlhfless.pipeline.tasks.rollout import generate_chunk_task, hf_engine
+from rlhfless.pipeline.train.elastic import ElasticGeneration
+from rlhfless.pipeline.train.loop import train
+from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.migration import Migration
+from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.tail_cost import TransferModel
+
+N_SAMPLES, MAX_NEW = 3, 24
+
+
+class MovingPolicy(ElasticPolicy):
+    """The elastic policy, except that every paused tail moves to another worker (the
+    planner's own choices are tested in tests/schedulers; here the runtime's moves are)."""
+
+    def migrate(self, progress, kv_transfer=False):
+        assert kv_transfer  # the hf backend ships KV caches
+        paused = [w for w, p in progress.items() if not p.busy and len(p.seq_ids)]
+        return [Migration(source=w, target=next(t for t in progress if t != w),
+                          seq_ids=tuple(progress[w].seq_ids), recompute_tokens=0,
+                          completion_fraction=0.0, stay_seconds=1.0, move_seconds=0.5,
+                          stay_cost_ws=1.0, move_cost_ws=0.5, reason="test: always move",
+                          kv="transfer") for w in paused]
+
+
+def _float64_engine(spec, weights) -> str:
+    engine, _ = hf_engine(spec.engine, weights)
+    engine.model.double()
+    return str(engine.model.dtype)
+
+
+def _pairs(table: pa.Table) -> dict:
+    pairs = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+    counts = Counter(pairs)
+    assert set(counts.values()) == {1}, counts  # each (prompt, sample) exactly once
+    return dict(zip(pairs, zip(table.column("response_ids").to_pylist(),
+                               table.column("logprobs").to_pylist())))
+
+
+def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=ElasticGeneration):
+    """One elastic iteration of 8 prompts on two float64 generation workers, sampling, by
+    ``generation`` under a ``policy_type`` whose priors make a KV transfer the cheaper path
+    of a move; checks that every (prompt, sample) comes out once, as one worker decoding the
+    whole batch uninterrupted; returns the run, the generation facts, the policy and the
+    configuration."""
+    cfg = Config(model=str(model_dir), runs_dir=str(tmp_path), name="kv", n_samples=N_SAMPLES,
+                 max_new_tokens=MAX_NEW, batch_prompts=8, policy="elastic", gen_workers=2,
+                 lambda_cost=1.0, tau=0.3, keep_alive_s=0.0, train_threads=1)
+    run = RunDir.create(cfg)
+    specs = make_specs(cfg, model_dir, run)
+    specs = dataclasses.replace(specs, gen=dataclasses.replace(
+        specs.gen, sampling=SamplingParams(MAX_NEW, temperature=1.0)))
+    weights = WeightsRef(0, str(model_dir))
+    policy = policy_type(cfg.elastic_knobs(), transfer=TransferModel(
+        prior_latency_s=0.0, prior_bytes_per_s=1e12))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch = read_prompts(model_dir / "train.jsonl", tok).table.slice(0, 8)
+    pools = [Pool("gen", 2, 1, {"GEN": 1}, "2GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
+    with PoolCluster(pools, CostLedger({"gen": 1.0, "train": 1.0})) as pc:
+        c = pc.client
+        addrs = [pc.address_of(n) for n in pc.worker_names("gen")]
+        for a in addrs:
+            assert c.submit(_float64_engine, specs.gen, weights, workers=[a],
+                            pure=False).result() == "torch.float64"
+        prompts = plan_prefixes(batch, N_SAMPLES, cfg.min_prefix).prompts
+        whole = c.submit(generate_chunk_task, prompts, weights, specs.gen,
+                         generation_seed(0, 1), 1.0, "whole",
+                         workers=[addrs[0]], pure=False).result()
+        assert len(whole["cut"]) == 0
+        eg = generation(pc, cfg, run, policy)
+        _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
+        tables = c.gather(trainables)
+    got = _pairs(Generated.concat(tables).table)
+    reference = _pairs(whole["done"].table)
+    assert got.keys() == reference.keys() and len(got) == len(batch) * N_SAMPLES
+    for pair, (ids, lps) in reference.items():
+        assert got[pair][0] == ids, pair  # token for token
+        assert max((abs(x - y) for x, y in zip(got[pair][1], lps)), default=0.0) < 1e-5
+    return run, facts, policy, cfg
+
+
+def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
+    run, facts, policy, cfg = _iteration(eos_model_dir, tmp_path)
+    moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
+    assert moves and facts["migrated_sequences"] == sum(m["sequences"] for m in moves)
+    for move in moves:
+        assert move["path"] == move["landed_by"] == "transfer"
+        assert move["bytes"] > 0 and move["actual_s"] > 0
+        assert move["landed_sequences"] == move["sequences"]
+        assert move["predicted_s"] == move["predicted_transfer_s"] < move["predicted_recompute_s"]
+    # learned from the moves: the bytes per token of float64 caches (and the logits that
+    # travel with them; the prior assumed fp32), and the transfer fit
+    assert policy.kv.kv_bytes_per_token > 2 * kv_bytes_per_token(str(eos_model_dir))
+    assert len(policy.kv.transfer.state_dict()["observations"]) == len(moves)
+    restored = ElasticPolicy(cfg.elastic_knobs())
+    restored.load_state_dict(policy.state_dict())
+    assert restored.kv.state_dict() == policy.kv.state_dict()
+    run.release()
+
+
+class MovingOncePolicy(MovingPolicy):
+    """Moves the first paused tail only; later tails resume where they are."""
+
+    moved = False
+
+    def migrate(self, progress, kv_transfer=False):
+        moves = [] if self.moved else super().migrate(progress, kv_transfer)
+        self.moved = self.moved or bool(moves)
+        return moves
+
+
+class SourceDiesAfterExport(ElasticGeneration):
+    """Kills the source of the first KV move once its export is done and before the
+    target's adoption is submitted: the KV exists on the dead worker only."""
+
+    def _move(self, move, path, sent, tag=""):
+        if sent is not None and not getattr(self, "killed", None):
+            wait(sent)
+            assert sent.status == "finished"
+            self.killed = move.source
+            kill_worker(self.pc, self.pc.address_of(move.source))
+        return super()._move(move, path, sent, tag)
+
+
+@pytest.mark.slow  # a worker killed and restarted: ~15 s
+def test_a_source_dying_before_its_kv_is_fetched_loses_nothing(eos_model_dir, tmp_path):
+    """The source's export, rerun elsewhere, finds no paused decoding (``TailLost``); the
+    move is landed again with the tail recomputed on the target from its cut rows, and the
+    iteration ends with every (prompt, sample) once, as uninterrupted decoding."""
+    run, facts, *_ = _iteration(eos_model_dir, tmp_path, MovingOncePolicy, SourceDiesAfterExport)
+    (move,) = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
+    assert move["path"] == "transfer" and move["landed_by"] == "recompute"
+    assert move["bytes"] == 0 and move["landed_sequences"] == move["sequences"]
+    assert facts["migrated_sequences"] == move["sequences"]
+    run.release()
+
+
+@pytest.mark.slow
+def test_training_on_the_long_tail_task_logs_its_moves(tmp_path):
+    cfg = Config(task="tally-long", runs_dir=str(tmp_path), iterations=2, batch_prompts=12,
+                 n_samples=4, max_new_tokens=64, heldout_prompts=4, eval_every=2,
+                 policy="elastic", gen_workers=2, lambda_cost=0.5, tau=0.4, keep_alive_s=0.0,
+                 train_threads=1)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    for it in (1, 2):
+        table = pq.read_table(run.path / "rollouts" / f"iter-{it:05d}.parquet")
+        pairs = Counter(zip(table.column("prompt_id").to_pylist(),
+                            table.column("sample_idx").to_pylist()))
+        assert len(pairs) == 12 * 4 and set(pairs.values()) == {1}
+    moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
+    for move in moves:
+        assert move["path"] in ("transfer", "recompute")
+        assert move["actual_s"] >= 0 and move["predicted_s"] > 0 and "bytes" in move
