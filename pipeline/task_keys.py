@@ -3,8 +3,7 @@
     [<tag>-]<stage>-<iteration>[-<shard>[-<part>]]        generate-3-1, continue-3-1-0,
                                                           update-3, eval-generate-2-0
 
-``stage`` is one word (``generate``, ``reward``, ``advantage``, ``update``, ``publish``,
-``dedup``, ``shard``, ``resume``, ``export``, ``take``, ``adopt``, ``continue``, ...), the
+``stage`` is one word (``ITERATION_STAGES``, ``TAIL_STAGES``, ``eval``, ``chunk``, ...), the
 numbers are the iteration, the shard and the part of a shard's tail (a move's index); a
 ``tag`` (words) marks a side graph such as the held-out evaluation, whose keys belong to no
 iteration. ``dask.utils.key_split`` of an untagged key is its stage, so Dask's dashboard
@@ -15,6 +14,13 @@ the rendered graph, the emulated runtime's accounting, the async runner's task s
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+ITERATION_STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
+TAIL_STAGES = ("resume", "continue", "export", "take", "adopt")  # a paused tail's tasks
+EMULATED_STAGES = ("generate", "resume", "continue", "update")  # the emulated backend's work
+# one colour per iteration stage, shared by the rendered graph and the report's plots
+STAGE_COLOURS = dict(zip(ITERATION_STAGES, ("#8dd3c7", "#ffffb3", "#fb8072", "#80b1d3",
+                                            "#fdb462", "#b3de69", "#bc80bd")))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ import pyarrow as pa
 from rlhfless.ops.engine.publish import WeightsRef
 
 from ..config import Config, ConfigError, load_config
+from ..task_keys import ITERATION_STAGES, TAIL_STAGES, parse_key
 from ..tasks.ranks import form_group, on_ranks, store_dir
 from ..tasks.trainer import (
     TrainSpec,
@@ -68,8 +69,6 @@ if TYPE_CHECKING:
 
 TRAINER_WAIT_S = 300.0  # how long a trainer may take to come back after a crash
 FORGET_WAIT_S = 30.0  # how long the scheduler may take to drop an abandoned iteration
-_ITERATION_KEY = re.compile(r"(?:dedup|shard|generate|reward|advantage|update|publish|resume|"
-                            r"continue|export|take|adopt)-(\d+)(?:-\d+)*")
 _VERSION_FILE = re.compile(r"v(\d+)\.safetensors")
 
 
@@ -207,8 +206,9 @@ def _forget(err: BaseException) -> None:
 
 
 def _held(key: object, first: int) -> bool:
-    m = _ITERATION_KEY.fullmatch(str(key))
-    return bool(m) and int(m.group(1)) >= first
+    parsed = parse_key(key)
+    return parsed is not None and not parsed.tag and parsed.iteration >= first \
+        and parsed.stage in ITERATION_STAGES + TAIL_STAGES
 
 
 def _iteration_keys(dask_scheduler, first: int) -> list[str]:

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from ..train.graph import STAGE_COLOURS
+from ..task_keys import STAGE_COLOURS
 
 if TYPE_CHECKING:
     from .run_data import RunData

@@ -54,12 +54,10 @@ from ..cluster.deploy import LocalDeployment
 from ..cluster.pools import Pool, PoolCluster
 from ..config import Config
 from ..durable.runs import RunDir
-from ..task_keys import stage_of, task_key
+from ..task_keys import EMULATED_STAGES, stage_of, task_key
 from ..tasks.scoring import RewardSpec, advantage_task, reward_task
 from .elastic import ElasticGeneration
 from .graph import submit_update
-
-EMULATED_TASKS = ("generate", "resume", "continue", "update")  # stages of emulated work
 
 
 class EmulatedClockLedger(CostLedger):
@@ -233,7 +231,7 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
 def _uncovered(stream: list[dict], t0: float, t1: float) -> float:
     """Wall seconds of [t0, t1] during which no emulated task was computing."""
     spans = sorted((max(s["start"], t0), min(s["stop"], t1)) for task in stream
-                   if stage_of(task["key"]) in EMULATED_TASKS
+                   if stage_of(task["key"]) in EMULATED_STAGES
                    for s in task["startstops"] if s["action"] == "compute")
     covered, end = 0.0, t0
     for a, b in spans:

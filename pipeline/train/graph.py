@@ -50,13 +50,6 @@ from ..tasks.rollout import GenSpec, generate_task
 from ..tasks.scoring import RewardSpec, advantage_task, reward_task
 from ..tasks.trainer import TrainSpec
 
-STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
-# one colour per stage, shared by the rendered graph and the report's plots
-STAGE_COLOURS = {
-    "dedup": "#8dd3c7", "shard": "#ffffb3", "generate": "#fb8072", "reward": "#80b1d3",
-    "advantage": "#fdb462", "update": "#b3de69", "publish": "#bc80bd",
-}
-
 
 @dataclass(frozen=True)
 class IterationGraph:

@@ -10,7 +10,8 @@ import pytest
 
 from rlhfless.pipeline.cli import render_graph
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.train.graph import STAGE_COLOURS, STAGES
+from rlhfless.pipeline.task_keys import ITERATION_STAGES as STAGES
+from rlhfless.pipeline.task_keys import STAGE_COLOURS
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' is not installed")
