@@ -18,29 +18,46 @@ import json
 import sys
 from pathlib import Path
 
-import dask
-from dask.core import get_dependencies
-from dask.utils import key_split
+# Only what parsing needs is imported here: each subcommand imports its implementation in its
+# handler, so ``rlhfless --help`` and ``rlhfless report`` load neither torch nor the simulator.
 
-from rlhfless.ops.data.records import BadRow
-from rlhfless.ops.data.schema import PROMPTS
-from rlhfless.ops.engine.publish import WeightsRef
+# errors of what the user gave (config, paths, data, run directories): one line, exit 2. The
+# project's own are named by module: an exception of such a class exists only once its module
+# is loaded, so none is imported here for the sake of an ``except``.
+USER_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+USER_ERROR_CLASSES = {  # module -> class: prefix of its one-line message
+    "rlhfless.pipeline.config": {"ConfigError": "config error: "},
+    "rlhfless.pipeline.durable.recovery": {"ResumeError": "cannot resume: "},
+    "rlhfless.pipeline.durable.runs": {"RunDirError": ""},
+    "rlhfless.ops.data.records": {"BadRow": ""},
+    "rlhfless.pipeline.train.loop": {"Diverged": ""},  # a learning rate that diverges
+}
 
-from .config import ConfigError, load_config
-from .durable.checkpoint import add_export_parser, export_from_args
-from .durable.recovery import ResumeError, resume_config
-from .durable.runs import RunDir, RunDirError
-from .report.page import add_parser as add_report_parser
-from .report.page import run_from_args as report_from_args
-from .sim.simulate import add_parser as add_simulate_parser
-from .sim.simulate import run_from_args as simulate_from_args
-from .task_keys import parse_key, stage_of
-from .train.graph import STAGE_COLOURS, iteration_graph
-from .train.loop import Diverged, make_specs, train
+
+def user_error_prefix(err: BaseException) -> str | None:
+    """The prefix of a user error's one line ("" for none); None if ``err`` is not one."""
+    for module, classes in USER_ERROR_CLASSES.items():
+        for name, prefix in classes.items():
+            cls = getattr(sys.modules.get(module), name, None)
+            if cls is not None and isinstance(err, cls):
+                return prefix if type(err) is cls else ""
+    return "" if isinstance(err, USER_ERRORS) else None
 
 
 def render_graph(cfg, filename: str) -> str:
     """Write the graph of one iteration (nothing runs) to ``filename`` through graphviz."""
+    import dask
+    from dask.core import get_dependencies
+    from dask.utils import key_split
+
+    from rlhfless.ops.data.schema import PROMPTS
+    from rlhfless.ops.engine.publish import WeightsRef
+
+    from .durable.runs import RunDir
+    from .task_keys import STAGE_COLOURS, parse_key, stage_of
+    from .train.graph import iteration_graph
+    from .train.loop import make_specs
+
     run = RunDir(cfg.run_dir)
     specs = make_specs(cfg, cfg.model, run)
     prompts = PROMPTS.empty_table()
@@ -62,36 +79,85 @@ def render_graph(cfg, filename: str) -> str:
     return filename
 
 
-# errors of what the user gave (config, paths, data, run directories, a learning rate that
-# diverges): one line, exit 2
-USER_ERRORS = (ConfigError, ResumeError, RunDirError, BadRow, FileNotFoundError,
-               IsADirectoryError, NotADirectoryError, PermissionError, Diverged)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line; every error is one line on stderr unless ``--debug`` is given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
         return run_command([a for a in argv if a != "--debug"])
-    except USER_ERRORS as err:
-        if debug:
-            raise
-        print(f"rlhfless: {one_line(err)}", file=sys.stderr)
-        return 2
     except Exception as err:
         if debug:
             raise
+        prefix = user_error_prefix(err)
+        if prefix is not None:
+            print(f"rlhfless: {prefix}{one_line(err)}", file=sys.stderr)
+            return 2
         print(f"rlhfless: unexpected {type(err).__name__}: {one_line(err)} (rerun with "
               "--debug for the traceback)", file=sys.stderr)
         return 1
 
 
 def one_line(err: BaseException) -> str:
-    """The message of ``err`` on one line (a config error says so first)."""
+    """The message of ``err`` on one line, at most 400 characters."""
     text = " ".join(str(err).split()) or type(err).__name__
-    prefix = {ConfigError: "config error: ", ResumeError: "cannot resume: "}.get(type(err), "")
-    return prefix + (text if len(text) <= 400 else text[:397] + "...")
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def config_of(args: argparse.Namespace):
+    """The run configuration ``train`` and ``graph`` were given (``--resume``: the run's)."""
+    from .config import ConfigError, load_config
+
+    resume = getattr(args, "resume", None)
+    if resume and args.config:
+        raise ConfigError("--resume reads the run's config.json; change keys with --set")
+    if resume:
+        from .durable.recovery import resume_config
+
+        return resume_config(resume, args.set)
+    return load_config(args.config, args.set)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from .train.loop import train
+
+    cfg = config_of(args)
+    run = train(cfg, overwrite=args.overwrite, progress=not args.no_progress,
+                resume=bool(args.resume))
+    evals = [m for m in run.metrics() if m.get("event") == "eval"]
+    summary = {"run": str(run.path), "heldout_accuracy_start": evals[0]["heldout_accuracy"],
+               "heldout_accuracy_end": evals[-1]["heldout_accuracy"]}
+    print(json.dumps(summary))
+    return 0
+
+
+def graph_command(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+
+    cfg = config_of(args)
+    folder = Path(args.output).resolve().parent
+    if not folder.is_dir():
+        raise ConfigError(f"graph -o {args.output}: the folder {folder} does not exist; "
+                          "create it or choose another path")
+    print(render_graph(cfg, args.output))
+    return 0
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    from .sim.simulate import run_from_args
+
+    return run_from_args(args)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from .durable.checkpoint import export_from_args
+
+    return export_from_args(args)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from .report.page import run_from_args
+
+    return run_from_args(args)
 
 
 def run_command(argv: list[str]) -> int:
@@ -99,8 +165,9 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (any position)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("train", "graph"):
+    for name, handler in (("train", train_command), ("graph", graph_command)):
         p = sub.add_parser(name)
+        p.set_defaults(handler=handler)
         p.add_argument("config", nargs="?", help="TOML file (optional)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override one config key (repeatable)")
@@ -112,34 +179,32 @@ def run_command(argv: list[str]) -> int:
                            "from its newest whole checkpoint, with its config.json")
         else:
             p.add_argument("-o", "--output", default="iteration.png")
-    add_simulate_parser(sub)
-    add_export_parser(sub)
-    add_report_parser(sub)
+    p = sub.add_parser("simulate", help="simulate runs on a cluster; compare policies or plan")
+    p.set_defaults(handler=simulate_command)
+    p.add_argument("scenario", nargs="*", help="scenario TOML file(s); none: the paper's two")
+    p.add_argument("--out", default="runs/simulate", help="report directory")
+    p.add_argument("--iterations", type=int, help="override every scenario's iterations")
+    p.add_argument("--quick", action="store_true", help="skip the tau/lambda/alpha sweeps")
+    p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib)")
+    p.add_argument("--plan", action="store_true", help="recommend pool size and lambda")
+    p.add_argument("--deadline", type=float, help="plan: mean seconds per iteration")
+    p.add_argument("--budget", type=float, help="plan: GPU-seconds per iteration")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    p.set_defaults(handler=export_command)
+    p.add_argument("run", help="the run directory (runs/<name>)")
+    p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest whole "
+                   "one with finite weights; refused if the newest is damaged)")
+    p.add_argument("-o", "--output", required=True,
+                   help="directory to write (new or empty, outside any run directory)")
+    p.add_argument("--model", help="model directory for config and tokenizer "
+                   "(default: the one the run started from)")
+    p = sub.add_parser("report", help="write an HTML report of a run")
+    p.set_defaults(handler=report_command)
+    p.add_argument("run", help="the run directory, runs/<name>")
+    p.add_argument("-o", "--output", help="directory for index.html and its images "
+                   "(default: RUN/report)")
     args = parser.parse_args(argv)
-    if args.command == "simulate":
-        return simulate_from_args(args)
-    if args.command == "export":
-        return export_from_args(args)
-    if args.command == "report":
-        return report_from_args(args)
-    resume = getattr(args, "resume", None)
-    if resume and args.config:
-        raise ConfigError("--resume reads the run's config.json; change keys with --set")
-    cfg = resume_config(resume, args.set) if resume else load_config(args.config, args.set)
-    if args.command == "graph":
-        folder = Path(args.output).resolve().parent
-        if not folder.is_dir():
-            raise ConfigError(f"graph -o {args.output}: the folder {folder} does not exist; "
-                              "create it or choose another path")
-        print(render_graph(cfg, args.output))
-        return 0
-    run = train(cfg, overwrite=args.overwrite, progress=not args.no_progress,
-                resume=bool(resume))
-    evals = [m for m in run.metrics() if m.get("event") == "eval"]
-    summary = {"run": str(run.path), "heldout_accuracy_start": evals[0]["heldout_accuracy"],
-               "heldout_accuracy_end": evals[-1]["heldout_accuracy"]}
-    print(json.dumps(summary))
-    return 0
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -418,17 +418,6 @@ def find(run_path: str | Path, iteration: int | None = None, content: bool = Tru
     return path
 
 
-def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
-    p.add_argument("run", help="the run directory (runs/<name>)")
-    p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest whole "
-                   "one with finite weights; refused if the newest is damaged)")
-    p.add_argument("-o", "--output", required=True,
-                   help="directory to write (new or empty, outside any run directory)")
-    p.add_argument("--model", help="model directory for config and tokenizer "
-                   "(default: the one the run started from)")
-
-
 class ExportRefused(ValueError):
     """``export`` will not write this (the message says why and what to do)."""
 

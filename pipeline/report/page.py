@@ -141,13 +141,6 @@ def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
     return page
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("report", help="write an HTML report of a run")
-    p.add_argument("run", help="the run directory, runs/<name>")
-    p.add_argument("-o", "--output", help="directory for index.html and its images "
-                   "(default: RUN/report)")
-
-
 def run_from_args(args: Any) -> int:
     try:
         print(write_report(args.run, args.output))

@@ -409,19 +409,6 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
     return 0
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``simulate`` on the CLI's subparsers (called from ``cli.py``)."""
-    p = sub.add_parser("simulate", help="simulate runs on a cluster; compare policies or plan")
-    p.add_argument("scenario", nargs="*", help="scenario TOML file(s); none: the paper's two")
-    p.add_argument("--out", default="runs/simulate", help="report directory")
-    p.add_argument("--iterations", type=int, help="override every scenario's iterations")
-    p.add_argument("--quick", action="store_true", help="skip the tau/lambda/alpha sweeps")
-    p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib)")
-    p.add_argument("--plan", action="store_true", help="recommend pool size and lambda")
-    p.add_argument("--deadline", type=float, help="plan: mean seconds per iteration")
-    p.add_argument("--budget", type=float, help="plan: GPU-seconds per iteration")
-
-
 def run_from_args(args: Any) -> int:
     """Run ``rlhfless simulate`` from parsed arguments; errors are one line on stderr."""
     try:
