@@ -71,7 +71,7 @@ def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
     return out
 
 
-def _prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
+def stack_prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
     """Stack each prompt's prefix KV, right-aligned to the longest prefix: a cache of
     [U, H, P, D] per layer and its mask [U, P]."""
     width = max(prefix_lens)
@@ -148,7 +148,8 @@ class Decoding:
         self.budget, self.logits = self.budget[keep], self.logits[keep]
 
 
-def _check_context(model, longest: int) -> None:
+def check_context(model, longest: int) -> None:
+    """A ``ValueError`` when ``longest`` tokens exceed the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and longest > limit:
         raise ValueError(
@@ -156,7 +157,9 @@ def _check_context(model, longest: int) -> None:
         )
 
 
-def _start(model, cache, logits, mask, next_pos, budgets: list[int], keys: np.ndarray):
+def start_decoding(model, cache, logits, mask, next_pos, budgets: list[int],
+                   keys: np.ndarray):
+    """The ``Decoding`` of sequences whose prompts were prefilled (``logits``: their last)."""
     n_seq = logits.shape[0]
     if len(keys) != n_seq:
         raise ValueError(f"{len(keys)} sampling keys for {n_seq} sequences")
@@ -201,7 +204,7 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     ``params.seed``."""
     stats = stats if stats is not None else GenerationStats()
     started = time.perf_counter()
-    _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
+    check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
     if prefix_lens is None:  # no sharing: every sample prefilled on its own
         prompts = [p for p in prompts for _ in range(n_samples)]
         repeat, prefix_lens = 1, [0] * len(prompts)
@@ -212,7 +215,7 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     index = {p: i for i, p in enumerate(prefixes)}
     owner = [index[tuple(p[:k])] if k else -1 for p, k in zip(prompts, prefix_lens)]
     prefix_kv = _prefill_prefixes(model, [list(p) for p in prefixes])
-    cache, past_mask = _prefix_cache(model, prefix_kv, owner, prefix_lens)
+    cache, past_mask = stack_prefix_cache(model, prefix_kv, owner, prefix_lens)
 
     suffixes = [p[k:] for p, k in zip(prompts, prefix_lens)]
     logits, mask = extend_cache(model, cache, past_mask, prefix_lens, suffixes, pad_id)
@@ -225,7 +228,7 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
         next_pos = next_pos.repeat_interleave(repeat)
     stats.prefill_seconds += time.perf_counter() - started
     n_seq = logits.shape[0]
-    return _start(model, cache, logits, mask, next_pos, [params.max_new_tokens] * n_seq,
+    return start_decoding(model, cache, logits, mask, next_pos, [params.max_new_tokens] * n_seq,
                   index_keys(params.seed, n_seq) if keys is None else keys)
 
 
@@ -241,7 +244,7 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
     started = time.perf_counter()
     prompts, generated = cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist()
     full = [p + g for p, g in zip(prompts, generated)]
-    _check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
+    check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
     ids, mask = left_pad(full, pad_id)
     ids, mask = ids.to(model.device), mask.to(model.device)
     cache = DynamicCache(config=model.config)
@@ -253,7 +256,7 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
     budgets = [params.max_new_tokens - len(g) for g in generated]
     if min(budgets) < 1:
         raise ValueError("prefill_continuations: a sequence has no token budget left")
-    dec = _start(model, cache, out.logits[:, -1], mask, next_pos, budgets,
+    dec = start_decoding(model, cache, out.logits[:, -1], mask, next_pos, budgets,
                  row_keys(params.seed, cut))
     dec.tokens = [list(g) for g in generated]
     dec.logprobs = [list(lp) for lp in cut.column("partial_logprobs").to_pylist()]

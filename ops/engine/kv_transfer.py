@@ -8,7 +8,7 @@ out-of-band tensor buffers); ``import_tail`` rebuilds a ``Decoding`` from one or
 them on the receiving engine, which ``run_decoding`` then finishes.
 
 Each row keeps only its real cache positions (``row_kv``: no padding travels); the
-receiving side stacks them left-padded to the longest (``generate._prefix_cache``, as the
+receiving side stacks them left-padded to the longest (``generate.stack_prefix_cache``, as the
 multi-turn loop does with the KV it keeps across turns), so each row keeps its own position
 ids and the continuation equals uninterrupted decoding: token for token under greedy
 decoding (float64 leaves no near-ties to flip), and under sampling too: a sequence's draws
@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from .gen_stats import GenerationStats
-from .generate import Decoding, SamplingParams, _prefix_cache, prefill_continuations
+from .generate import Decoding, SamplingParams, prefill_continuations, stack_prefix_cache
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
 
@@ -128,7 +128,7 @@ def import_tail(model, tails: list[TailKV]) -> tuple[Decoding, pa.Table]:
     kv = [[(k.to(device, dtype), v.to(device, dtype)) for k, v in seq]
           for t in tails for seq in t.kv]
     lens = [int(seq[0][0].shape[2]) for seq in kv]
-    cache, mask = _prefix_cache(model, kv, list(range(len(kv))), lens)
+    cache, mask = stack_prefix_cache(model, kv, list(range(len(kv))), lens)
     n = len(kv)
     dec = Decoding(
         cache=cache, logits=torch.cat([t.logits for t in tails]).to(device),

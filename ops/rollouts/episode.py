@@ -46,19 +46,19 @@ from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.generate import (
     Decoding,
     SamplingParams,
-    _check_context,
-    _prefix_cache,
-    _start,
+    check_context,
     expand_samples,
     extend_cache,
     rollouts_table,
     row_keys,
     run_decoding,
+    stack_prefix_cache,
+    start_decoding,
 )
 from ..engine.kv_transfer import row_kv
 from ..engine.seeds import subkeys
 from .env import Environment, check_step, resolve_environment
-from .reward import _describe
+from .reward import describe_error
 
 ENV_THREADS = 64  # environment calls in flight at once, per process
 _ENV_POOL: list[ThreadPoolExecutor] = []  # made on first use, kept for the process
@@ -104,7 +104,7 @@ class _Episode:
         return self.kv[0][0].shape[2] if self.kv else 0
 
     def fail(self, where: str, err: BaseException) -> None:
-        self.error, self.finish = f"{where}: {_describe(err)}", "error"
+        self.error, self.finish = f"{where}: {describe_error(err)}", "error"
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Generated ids with their logprobs, or (``logprobs`` None) observation ids."""
@@ -174,7 +174,7 @@ def _round_cache(model, eps: list[_Episode], params: EpisodeParams):
     if not params.keep_kv:  # the baseline: the whole conversation again
         for ep in eps:
             ep.kv, ep.pending = [], ep.prompt + ep.ids
-    return _prefix_cache(model, [ep.kv for ep in eps], list(range(len(eps))),
+    return stack_prefix_cache(model, [ep.kv for ep in eps], list(range(len(eps))),
                          [ep.kv_len() for ep in eps])
 
 
@@ -199,7 +199,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     start = time.time()
     prompt_ids = rows.column("prompt_ids").to_pylist()
     if prompt_ids:
-        _check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
+        check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
     eps = [_Episode(row | {"prompt_text": text}, ids, key, pending=list(ids))
            for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts,
@@ -234,7 +234,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
             call.result(timeout)
         except BaseException as err:
             if call.ep.error is None:  # the episode's result stands; the failure is recorded
-                call.ep.error = f"close: {_describe(err)}"
+                call.ep.error = f"close: {describe_error(err)}"
     for ep in eps:
         est.episodes += 1
         est.turns += ep.turns
@@ -262,7 +262,7 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
                             device=model.device)
     keys = subkeys(np.array([ep.key for ep in live], dtype=np.uint64),
                    np.array([ep.turns for ep in live], dtype=np.uint64))
-    dec = _start(model, cache, logits, mask, next_pos, budgets, keys)
+    dec = start_decoding(model, cache, logits, mask, next_pos, budgets, keys)
     stats.prefill_seconds += time.perf_counter() - started
     steps: list[_Call] = []
     keep = _keep_leaving(live) if params.keep_kv else None

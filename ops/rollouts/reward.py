@@ -241,7 +241,7 @@ def reward_one(
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # a reward function's failure never stops the stage
-        return fallback, _describe(err)
+        return fallback, describe_error(err)
     return _check_value(value, fallback)
 
 
@@ -256,7 +256,7 @@ def _check_value(value: object, fallback: float) -> tuple[float, str | None]:
     try:
         number = float(value)
     except (OverflowError, ValueError, TypeError) as err:  # e.g. Fraction(10**400)
-        return fallback, _truncate(f"reward out of range: {_describe(err)}")
+        return fallback, _truncate(f"reward out of range: {describe_error(err)}")
     if not math.isfinite(number):
         return fallback, f"non-finite reward {number}"
     if abs(number) > MAX_ABS_REWARD:
@@ -269,10 +269,11 @@ def _repr(value: object) -> str:
     try:
         return repr(value)
     except Exception as err:  # a user object's __repr__ must not stop the stage
-        return f"<unprintable: {_describe(err)}>"
+        return f"<unprintable: {describe_error(err)}>"
 
 
-def _describe(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """An exception as one bounded line: its type and message."""
     return _truncate(f"{type(err).__name__}: {err}")
 
 
