@@ -1,0 +1,91 @@
+"""The import rules of the layout, read from the source with ``ast`` (every import, module-level
+or inside a function): ``ops`` imports neither ``pipeline`` nor ``schedulers``; ``schedulers``
+never imports ``pipeline`` and, outside ``schedulers/dask``, neither Dask nor torch; no private
+name (``_x``) is imported from another module; and the command line's entry points load no
+torch (checked in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from test_import_cycles import modules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(absolute module, names taken from it) for every import statement of ``name``."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([module] if module else []))
+            out.append((module, [a.name for a in node.names]))
+    return out
+
+
+def offences(source: dict[str, Path], rule) -> list[str]:
+    return sorted(f"{name} imports {module}" for name, path in source.items()
+                  for module, _ in imports(name, path) if rule(name, module))
+
+
+def under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_rules_see_what_they_forbid(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    import torch\n    from ..pipeline import loop\n")
+    found = imports("rlhfless.schedulers.bad", bad)
+    assert ("torch", []) in found and ("rlhfless.pipeline", ["loop"]) in found
+
+
+def test_ops_imports_neither_pipeline_nor_schedulers():
+    ops = {n: p for n, p in modules().items() if under(n, "rlhfless.ops")}
+    assert len(ops) > 20
+    assert offences(ops, lambda _, m: under(m, "rlhfless.pipeline", "rlhfless.schedulers")) == []
+
+
+def test_schedulers_are_pure_outside_their_dask_package():
+    scheds = {n: p for n, p in modules().items() if under(n, "rlhfless.schedulers")}
+    assert "rlhfless.schedulers.dask.plugin" in scheds
+    assert offences(scheds, lambda _, m: under(m, "rlhfless.pipeline")) == []
+    pure = {n: p for n, p in scheds.items() if not under(n, "rlhfless.schedulers.dask")}
+    assert offences(pure, lambda _, m: under(m, "dask", "distributed", "torch")) == []
+
+
+def test_no_private_name_crosses_modules():
+    crossing = sorted(f"{name}: from {module} import {n}"
+                      for name, path in modules().items()
+                      for module, names in imports(name, path)
+                      for n in names if n.startswith("_") and not n.startswith("__"))
+    assert crossing == []
+
+
+def loads_torch(code: str) -> bool:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\n"
+                          "print('torch' in sys.modules)"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[-1] == "True"
+
+
+def test_the_command_line_loads_no_torch_for_help_config_and_report(tmp_path):
+    assert not loads_torch("import rlhfless.pipeline.cli")
+    assert not loads_torch("from rlhfless.pipeline.cli import main\n"
+                           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    assert not loads_torch("from rlhfless.pipeline.config import load_config\n"
+                           "load_config(None, ['iterations=2'])")
+    run = ROOT / "tests" / "data" / "recorded_run"  # a real run directory, read only
+    assert not loads_torch("from rlhfless.pipeline.cli import main\n"
+                           f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path)!r}]) == 0")
+    assert (tmp_path / "index.html").is_file()
+    assert loads_torch("import rlhfless.pipeline.train.loop")  # the probe can see torch
