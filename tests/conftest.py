@@ -12,6 +12,10 @@ from rlhfless.ops.toy.tinymodel import TinyRecipe, ensure_tiny_model
 from rlhfless.ops.toy.tinytask import TallyTask
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # bench harnesses
+# Test modules share helpers across the folders that mirror the packages (test_ranks uses
+# test_security's): every folder under tests/ is importable by its modules' names, which
+# pytest already requires to be unique, so a file run alone finds its siblings' helpers.
+sys.path.extend(sorted({str(f.parent) for f in Path(__file__).resolve().parent.rglob("test_*.py")}))
 
 # Small enough to build in seconds; the full recipe is exercised by the slow tests.
 QUICK_RECIPE = TinyRecipe(
