@@ -20,9 +20,8 @@ to mix them, by mode:
 
 Both are bounded by the **gradient share**: fresh groups whose rewards are all equal carry
 no gradient, replayed ones always do (the buffer keeps only those), so as the policy
-improves the replayed rows would carry ever more of the update (measured on the tiny task:
-from half to four fifths of the gradient tokens at ``replay_ratio = 0.5``, all from a stale
-policy and trained on before). ``max_grad_share`` caps the replayed share of the
+improves the replayed rows would carry ever more of the update, all from a stale policy and
+trained on before. ``max_grad_share`` caps the replayed share of the
 informative groups: with ``f`` the smoothed informative fraction of fresh groups,
 ``replayed <= s / (1 - s) * f * fresh`` (``s = max_grad_share``; replace solves it with
 ``fresh = B - replayed``).

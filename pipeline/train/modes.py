@@ -44,12 +44,9 @@ replaced prompt is not generated at that draw (the data moves on a whole batch),
 prompts are trained fresh less often: ``replay_max_skips`` bounds it, a prompt replaced at
 its last ``replay_max_skips`` draws in a row is generated fresh at the next
 (``ReplayBuffer.replace``). The decision record says which predicted lengths were replaced.
-Off by default, because it costs quality: in ``bench/modes.py`` (tiny task, 90 s, two runs)
-it cut generation to 0.39 s per iteration against 0.55 s with the default replacement
-(sync: 0.83 s), 1.53x sync's samples/s against 1.20x, but held-out accuracy fell 0.11 below
-sync's (± 0.02) where the default replay stayed level: the longest prompts are the hardest,
-so the fresh groups left are mostly solved, and within one epoch (no prompt recurs in the
-bench) a replaced prompt is never trained fresh.
+Off by default, because it costs quality: the longest prompts are the hardest, so the fresh
+groups left are mostly solved, and within one epoch a replaced prompt is never trained fresh
+(``bench/modes.py`` measures it; figures in docs/benchmarks.md, "Length-aware replay").
 
 ``mode = "async+replay"`` does both: batches are generated ahead as in async mode, and each
 takes its replayed groups from the buffer when it is drawn (fresh groups join the buffer

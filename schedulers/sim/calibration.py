@@ -13,9 +13,9 @@ migration, every worker billed for the whole run), and compares per iteration:
 
 The default split interleaves: after ``warmup`` iterations, fit on the odd ones and predict
 the even ones. Interleaving keeps the machine's background load (shared cores) alike on
-both sides of the split. The warm-up iterations are left out of both: in every recording
-we made, the first one to four updates took 2-4x as long as the later ones (the trainer's
-allocator and kernels warming up), a transient the simulator's steady state does not model.
+both sides of the split. The warm-up iterations are left out of both: the first updates of a
+run are slower than the later ones (the trainer's allocator and kernels warming up), a
+transient the simulator's steady state does not model.
 """
 
 from __future__ import annotations
