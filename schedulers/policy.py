@@ -19,9 +19,11 @@ simulated clocks. Call order, per iteration:
 3. when a worker is idle: ``keeps_alive(idle_gap_s(...))`` says whether to keep it through
    the predicted gap until its next use, or release it now (break-even keep-alive: idling
    longer than a restart costs more than the restart);
-4. after the iteration: ``observe_lengths``, ``observe_decode`` / ``observe_prefill`` /
-   ``observe_cold_starts`` and ``observe_after_generation`` feed the models
-   (``observe_move`` as each move lands).
+4. after the iteration: ``observe_iteration``, the one call per iteration that feeds the
+   models what it measured (the lengths; with an elastic pool the shards' decode and prefill
+   timings, the cold starts and the seconds after generation). ``observe_move`` is the one
+   observation taken during the iteration, as each move lands, so that the iteration's later
+   moves are priced with it.
 
 ``state_dict`` / ``load_state_dict`` round-trip everything it learned (checkpoints).
 
@@ -39,7 +41,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -52,6 +54,25 @@ from .tail_cost import KvChoice, KvCosts, TransferModel
 from .throughput import ThroughputModel
 
 ASSIGNMENTS = ("length", "round_robin", "replay")
+
+
+class ShardTimings(Protocol):
+    """What one generation shard measured (``GenerationStats`` of the live runtime)."""
+
+    decode_tokens: int  # sum over the decode steps of the live batch size
+    decode_steps: int
+    decode_seconds: float
+    prefill_tokens: int
+    prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class IterationTimings:
+    """What an iteration of an elastic pool measured, beside its lengths."""
+
+    after_generation_s: float  # from the end of generation to the end of the step
+    shards: Sequence[ShardTimings]  # each generation shard's counters
+    cold_starts: Sequence[float]  # every generation cold start of the run so far
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,6 +219,23 @@ class ElasticPolicy:
         return PoolSizing(snapshot, n_samples, max_workers, rest_workers)
 
     # ---- observe -----------------------------------------------------------------------
+
+    def observe_iteration(self, prompt_ids: Sequence[str], lengths: Sequence[int],
+                          timings: IterationTimings | None = None) -> dict[str, Any]:
+        """Everything an iteration measured, once per iteration: its rows' response
+        ``lengths`` (``observe_lengths``: returns the predictor's error on them) and, with an
+        elastic pool, its ``timings`` (a static pool has none to learn from)."""
+        if timings is not None:
+            self.observe_after_generation(timings.after_generation_s)
+            for stats in timings.shards:
+                steps = stats.decode_steps
+                if steps:
+                    self.observe_decode(stats.decode_tokens / steps,
+                                        stats.decode_seconds / steps, n_steps=steps)
+                if stats.prefill_tokens and stats.prefill_seconds:
+                    self.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
+            self.observe_cold_starts(timings.cold_starts)
+        return self.observe_lengths(prompt_ids, lengths)
 
     def observe_lengths(self, prompt_ids: Sequence[str],
                         lengths: Sequence[int]) -> dict[str, Any]:

@@ -7,6 +7,9 @@ For every response token t of every sequence::
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator)
     loss    = sum_t (pg_t + kl_coef * kl_t) / (response tokens in the batch)
 
+The loss of one chunk is ``ops/algo/loss.py::policy_loss``, a pure function of its tensors;
+this module drives it (packing, passes, epochs, metrics, the ranks' all-reduce).
+
 Multi-turn rollouts carry a ``loss_mask``: the sums then run over generated tokens only, and
 observation tokens (whose ``logprobs`` are placeholders) add no term to the loss or the KL.
 
@@ -46,7 +49,7 @@ import torch
 
 from ..data.schema import TRAINABLE, check_columns
 from ..engine.forward import backward_logprobs, chunk_passes, response_logprobs
-from .offpolicy import clipped_pg
+from .loss import LossParams, policy_loss
 from .parallel import (
     Ranks,
     agree_passes,
@@ -69,6 +72,11 @@ class UpdateParams:
     max_grad_norm: float = 1.0
     epochs: int = 1
     tis_cap: float | None = None  # off-policy batches: cap of the TIS weight; None: on-policy
+
+    @property
+    def loss_params(self) -> LossParams:
+        """The coefficients ``policy_loss`` reads."""
+        return LossParams(self.clip_eps, self.kl_coef, self.tis_cap)
 
 
 def pack_micro_batches(prompts: list[list[int]], response_lens: list[int],
@@ -207,30 +215,20 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                 key = tuple(idx)
                 if params.tis_cap is not None and key not in prox:  # no step yet: own logps
                     prox[key] = logp.detach()
-                terms = clipped_pg(logp, old, adv, params.clip_eps, prox.get(key),
-                                   params.tis_cap)
-                pg = per_token = terms.loss
-                if ref is not None:
-                    delta = ref[rows, :logp.shape[1]] - logp
-                    kl = torch.exp(delta) - delta - 1
-                    per_token = per_token + params.kl_coef * kl
-                    totals["kl"] += kl[scored].sum().item() / n_tokens / params.epochs
-                loss = per_token[scored].sum() / n_tokens
-                totals["loss"] += loss.item() / params.epochs
-                totals["pg_loss"] += pg[scored].sum().item() / n_tokens / params.epochs
-                for name, value in (("clip_frac", terms.clipped), ("ratio_mean", terms.ratio),
-                                    ("tis_weight_mean", terms.weight),
-                                    ("tis_truncated_frac", terms.truncated)):
+                parts = policy_loss(logp, old, adv, scored,
+                                    None if ref is None else ref[rows, :logp.shape[1]],
+                                    params.loss_params, n_tokens, prox.get(key))
+                totals["loss"] += parts.loss.item() / params.epochs
+                for name, value in parts.sums().items():
                     if name in totals:
-                        totals[name] += value[scored].sum().item() / n_tokens / params.epochs
+                        totals[name] += value / n_tokens / params.epochs
                 if params.tis_cap is not None:
                     mine = scored & torch.tensor(older[idx], device=device)[:, None]  # [b, r]
                     older_totals["older_tokens"] += mine.sum().item() / params.epochs
-                    older_totals["tis_weight_mean_older"] += (
-                        terms.weight[mine].sum().item() / params.epochs)
-                    older_totals["tis_truncated_frac_older"] += (
-                        terms.truncated[mine].sum().item() / params.epochs)
-                return loss * scale
+                    for name, value in parts.sums(mine).items():
+                        if name + "_older" in older_totals:
+                            older_totals[name + "_older"] += value / params.epochs
+                return parts.loss * scale
 
             backward_logprobs(model, mb_prompts, mb_responses, pad_id, params.temperature,
                               chunk_loss, pad_passes=agreed - chunks[k])

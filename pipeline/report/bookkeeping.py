@@ -1,10 +1,10 @@
 """What the loop measures and records around an iteration (``modes.ModeRunner.step``).
 
 ``evaluate`` measures held-out accuracy (over ``heldout_rollouts``, which the modes bench
-scores prompt by prompt); ``account`` takes in the cluster's events and returns the
-iteration's worker-seconds per pool and the length predictor's error (then the predictor
-learns the rollouts); ``say_reward_errors`` says the first reward failures in one
-line; ``write_ledger`` writes ``ledger.json`` when the run ends.
+scores prompt by prompt); ``observe_iteration`` is where every driver feeds the scheduling
+policy what an iteration measured, once per iteration; ``account`` takes in the cluster's
+events and returns the iteration's worker-seconds per pool; ``say_reward_errors`` says the
+first reward failures in one line; ``write_ledger`` writes ``ledger.json`` when the run ends.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pyarrow as pa
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.policy import ElasticPolicy, IterationTimings
 
 from ..cluster.pools import PoolCluster
 from ..config import Config
@@ -49,20 +49,24 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
             "heldout_response_len_mean": float(np.mean(lengths)), "heldout_n": len(table)}
 
 
-def observe_lengths(policy: ElasticPolicy, table: pa.Table) -> dict:
-    """Log the predictor's error on this batch (predicted before it saw it), then learn."""
+def observe_iteration(policy: ElasticPolicy, table: pa.Table,
+                      timings: IterationTimings | None) -> dict:
+    """Feed the scheduling policy what an iteration measured: the response lengths of its
+    rows ``table`` and, with an elastic pool, its ``timings`` (``ElasticGeneration.
+    after_update``). The one place each driver (``ModeRunner``, ``run_emulated``) calls, once
+    per iteration; returns the predictor's error on the lengths (predicted before it saw
+    them) as ``len_pred_*``."""
     ids = table.column("prompt_id").to_pylist()
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    return {f"len_pred_{k}": v for k, v in policy.observe_lengths(ids, lengths).items()}
+    error = policy.observe_iteration(ids, lengths, timings)
+    return {f"len_pred_{k}": v for k, v in error.items()}
 
 
-def account(pc: PoolCluster, ledger: CostLedger, policy: ElasticPolicy, iteration: int,
-            t0: float, table: pa.Table) -> dict:
-    """The cluster's events into the ledger; this iteration's worker-seconds per pool and
-    the length predictor's error on its rollouts (then the predictor learns them)."""
+def account(pc: PoolCluster, ledger: CostLedger, iteration: int, t0: float) -> dict:
+    """The cluster's events into the ledger; this iteration's worker-seconds per pool."""
     pc.sync_events()
     ledger.mark("iteration", iteration, t0, time.time())
-    return observe_lengths(policy, table) | worker_seconds(ledger, t0, time.time())
+    return worker_seconds(ledger, t0, time.time())
 
 
 def write_ledger(run: RunDir, ledger: CostLedger, before_resume: dict) -> None:

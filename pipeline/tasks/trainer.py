@@ -1,7 +1,7 @@
 """Trainer tasks, on the training pool (resource ``TRAIN``): update, publish, checkpoint.
 
-The trainer process holds ``_TRAINER``: policy, optimizer, frozen reference, and the token
-the driver tagged it with; it writes and reads its own part of a checkpoint
+The trainer process holds a ``Trainer`` per model path: policy, optimizer, frozen reference,
+and the token the driver tagged it with; it writes and reads its own part of a checkpoint
 (``save_trainer_task``, ``restore_trainer_task``; why: ``checkpoint.py``). With
 ``train_workers > 1`` every TRAIN worker is a rank holding its shard of the policy
 (``ranks.py``); ``update_task`` and ``publish_task`` run on one of them and fan out to all.
@@ -54,7 +54,19 @@ class Engine:
     load_seconds: float
 
 
-_TRAINER: dict[str, object] = {}
+@dataclass
+class Trainer:
+    """This process's trainer, kept between tasks (one per model path)."""
+
+    engine: Engine  # its ``model`` unwrapped; ``version`` is the trainer's policy version
+    model: torch.nn.Module  # sharded or replicated over the ranks when world > 1, else engine's
+    optimizer: torch.optim.Optimizer
+    ref: torch.nn.Module | None  # the frozen reference (kl_coef > 0), else None
+    cold_start_s: float  # the load's seconds, reported by the first update (then 0)
+    token: str | None = None  # the driver's name for this trainer's life; None until started
+
+
+_TRAINER: dict[str, Trainer] = {}  # model path -> this process's trainer
 
 
 def load_engine(spec: EngineSpec) -> Engine:
@@ -68,9 +80,8 @@ def _ranks(spec: TrainSpec) -> Ranks | None:
     return this_rank() if spec.world > 1 else None
 
 
-def _trainer(spec: TrainSpec) -> dict:
-    """This process's trainer: ``engine`` (its ``model`` unwrapped), ``model`` (sharded or
-    replicated over the ranks when ``spec.world > 1``, else the engine's), ``optimizer``."""
+def _trainer(spec: TrainSpec) -> Trainer:
+    """This process's trainer for ``spec``'s model, loaded on first use."""
     state = _TRAINER.get(spec.engine.model_path)
     if state is None:
         engine = load_engine(spec.engine)
@@ -80,14 +91,9 @@ def _trainer(spec: TrainSpec) -> dict:
             enable_checkpointing(engine.model)
         ranks = _ranks(spec)
         model = engine.model if ranks is None else wrap_model(engine.model, ranks)
-        state = {
-            "engine": engine,
-            "model": model,
-            "optimizer": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                           lr=params.lr, weight_decay=0.0),
-            "ref": ref,
-            "cold_start_s": engine.load_seconds,
-        }
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=params.lr, weight_decay=0.0)
+        state = Trainer(engine, model, optimizer, ref, engine.load_seconds)
         _TRAINER[spec.engine.model_path] = state
     return state
 
@@ -117,18 +123,18 @@ def update_task(trainables: list[Generated], weights: WeightsRef, spec: TrainSpe
 
 def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSpec) -> dict:
     state = _trainer(spec)
-    engine: Engine = state["engine"]
+    engine = state.engine
     require_version(engine.version, weights.version, "trainer")
     batch = pa.concat_tables([t.table for t in trainables])
     check_staleness(batch, engine.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
     device = next(engine.model.parameters()).device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
-        metrics = update_policy(state["model"], state["optimizer"], batch, spec.update,
-                                engine.tokenizer.pad_token_id, ref_model=state["ref"],
+        metrics = update_policy(state.model, state.optimizer, batch, spec.update,
+                                engine.tokenizer.pad_token_id, ref_model=state.ref,
                                 ranks=_ranks(spec))
     metrics["update_seconds"] = time.perf_counter() - started
-    metrics["trainer_cold_start_s"] = state.pop("cold_start_s", 0.0)
+    metrics["trainer_cold_start_s"], state.cold_start_s = state.cold_start_s, 0.0
     return metrics
 
 
@@ -140,12 +146,12 @@ def publish_task(metrics: dict, spec: TrainSpec, version: int) -> WeightsRef:
 
 def _publish_rank(spec: TrainSpec, version: int) -> WeightsRef | None:
     state = _trainer(spec)
-    engine: Engine = state["engine"]
+    engine = state.engine
     ranks = _ranks(spec)
     if ranks is None:
         ref = publish_weights(engine.model, spec.store, version, keep=spec.keep_versions)
     else:
-        whole = full_state(state["model"], keep=ranks.rank == 0,
+        whole = full_state(state.model, keep=ranks.rank == 0,
                            names=trainable_names(engine.model))
         ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions)
                if ranks.rank == 0 else None)
@@ -167,26 +173,26 @@ def start_trainer_task(spec: TrainSpec, seed: int, token: str) -> int:
     driver runs this and the three tasks below on every rank."""
     state = _trainer(spec)
     _seed_process(seed)
-    state["token"] = token
-    return state["engine"].version
+    state.token = token
+    return state.engine.version
 
 
 def trainer_token_task(spec: TrainSpec) -> str | None:
     """The token of this process's trainer: None after a restart (a new process)."""
     state = _TRAINER.get(spec.engine.model_path)
-    return None if state is None else state.get("token")
+    return None if state is None else state.token
 
 
 def save_trainer_task(spec: TrainSpec, path: str, token: str) -> dict:
     """Write weights, optimizer and RNG of the trainer tagged ``token`` under ``path``.
     A restarted trainer (another token) refuses: its state is not the run's."""
     state = _TRAINER.get(spec.engine.model_path)
-    if state is None or state.get("token") != token:
+    if state is None or state.token != token:
         raise RuntimeError(f"trainer on {worker_name()} is not the trainer {token} of this "
                            "run (it restarted); its state cannot be checkpointed")
     started = time.perf_counter()
-    n = write_trainer(path, state["model"], state["optimizer"], _ranks(spec))
-    return {"version": state["engine"].version, "bytes": n, "finite": _finite(state["model"]),
+    n = write_trainer(path, state.model, state.optimizer, _ranks(spec))
+    return {"version": state.engine.version, "bytes": n, "finite": _finite(state.model),
             "seconds": time.perf_counter() - started}
 
 
@@ -201,7 +207,7 @@ def restore_trainer_task(spec: TrainSpec, path: str, token: str) -> int:
     if needed; the frozen reference stays the initial model) and tag it with ``token``;
     returns the restored policy version."""
     state = _trainer(spec)
-    engine: Engine = state["engine"]
-    engine.version = read_trainer(path, state["model"], state["optimizer"], _ranks(spec))
-    state["token"] = token
+    engine = state.engine
+    engine.version = read_trainer(path, state.model, state.optimizer, _ranks(spec))
+    state.token = token
     return engine.version

@@ -32,7 +32,10 @@ tails. The rule's target changes are drained into ``decisions.jsonl`` (``kind =
 
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
 ``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
-when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``.
+when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``
+at once (the one observation taken during an iteration, so that its later moves are priced
+with it; the rest of what an iteration measured the driver feeds once, after the update:
+``after_update`` returns it for ``bookkeeping.observe_iteration``).
 A source that dies before its target fetched the exported KV loses nothing: the export, pinned
 loosely, reruns elsewhere and finds no paused decoding (``TailLost``), and the move lands
 again with its tail recomputed on the target from the cut rows the driver holds (the record's
@@ -61,7 +64,7 @@ from rlhfless.schedulers.dask.plugin import (
     install_sizing,
 )
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.policy import ElasticPolicy, IterationTimings
 
 from ..cluster.pools import PoolCluster
 from ..config import Config
@@ -428,16 +431,10 @@ class ElasticGeneration:
                             f"{self.policy.keep_alive_s():.2f} s")
         return retired
 
-    def after_update(self, update_seconds: float, shards: list[GenerationStats]) -> None:
-        """Feed the policy with what this iteration measured (``shards``: each shard's
-        generation statistics); write the queue's target changes so far."""
-        self.policy.observe_after_generation(update_seconds)
-        for stats in shards:
-            steps = stats.decode_steps
-            if steps:
-                self.policy.observe_decode(stats.decode_tokens / steps,
-                                           stats.decode_seconds / steps, n_steps=steps)
-            if stats.prefill_tokens and stats.prefill_seconds:
-                self.policy.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
-        self.policy.observe_cold_starts(self.pc.ledger.cold_starts("gen"))
+    def after_update(self, update_seconds: float,
+                     shards: list[GenerationStats]) -> IterationTimings:
+        """Write the queue's target changes so far; returns what this iteration measured
+        (``shards``: each shard's generation statistics) for the driver to feed the policy
+        (``bookkeeping.observe_iteration``)."""
         self.log_queue_targets(self.iteration)
+        return IterationTimings(update_seconds, shards, self.pc.ledger.cold_starts("gen"))

@@ -54,6 +54,7 @@ from ..cluster.deploy import LocalDeployment
 from ..cluster.pools import Pool, PoolCluster
 from ..config import Config
 from ..durable.runs import RunDir
+from ..report.bookkeeping import observe_iteration
 from ..task_keys import EMULATED_STAGES, stage_of, task_key
 from ..tasks.scoring import RewardSpec, advantage_task, reward_task
 from .elastic import ElasticGeneration
@@ -294,12 +295,11 @@ def run_emulated(cfg: Config, trace: Trace, run_dir: str, train_gpus: int = 1) -
                                                   it, tasks=emu)
                 tables, metrics, weights = pc.client.gather([trainables, update, published])
             t1 = time.time()
-            if elastic:
-                eg.after_update(metrics["update_seconds"], [t.stats for t in tables])
+            timings = (eg.after_update(metrics["update_seconds"], [t.stats for t in tables])
+                       if elastic else None)
             rows = Generated.concat(tables).table
             ids = rows.column("prompt_id").to_pylist()
-            state.predictor.observe(ids, [len(r) for r in rows.column("response_ids")
-                                          .to_pylist()])
+            observe_iteration(state, rows, timings)
             pc.sync_events()
             ledger.mark("iteration", it, t0, t1)
             overhead = _uncovered(stream.data, t0, t1)

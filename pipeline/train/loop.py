@@ -125,7 +125,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             except Exception as err:  # re-raised unless the trainer was lost
                 done, weights = durable.recover(err, sampler, policy)
                 continue
-            record |= account(pc, ledger, policy, iteration, t0, table)
+            record |= account(pc, ledger, iteration, t0)
             run.write_rollouts(iteration, table)
             run.append_metrics({"event": "iteration", **record})
             run.drop_replaced()  # the new run has started: the one it replaced goes

@@ -108,6 +108,7 @@ from rlhfless.ops.replay.stats import replay_diagnostics
 from rlhfless.schedulers.replay_share import ReplayShare
 
 from ..config import Config
+from ..report.bookkeeping import observe_iteration
 from ..report.metrics import iteration_record
 from ..task_keys import iteration_of
 from .graph import submit_update, trainable_graph
@@ -344,9 +345,9 @@ class ModeRunner:
                    "generated_by": job.weights.version,
                    "staleness_mean": float(lag.mean()), "staleness_max": int(lag.max()),
                    **job.facts}
-        if self.eg is not None:
-            self.eg.after_update(update["update_seconds"],
-                                 [t.stats for t in trainables])
+        timings = None if self.eg is None else self.eg.after_update(
+            update["update_seconds"], [t.stats for t in trainables])
+        record |= observe_iteration(self.policy, fresh, timings)
         if self.buffer is not None:
             record |= replay_diagnostics(fresh, job.replayed, weights.version)
             record["replay_share"] = len(job.replayed) / (job.prompts + len(job.replayed))

@@ -9,7 +9,7 @@ import pytest
 
 from rlhfless.pipeline.config import Config, ConfigError, load_config
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy, IterationTimings
 from rlhfless.schedulers.scaling import choose_generation_workers
 from rlhfless.schedulers.sim.sim_policy import ELASTIC, PolicyConfig
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -122,6 +122,40 @@ def test_migrate_moves_a_paused_tail_not_a_completion_count():
     assert moves and {m.source for m in moves} == {"a"}
     assert {m.target for m in moves} <= {"b", "c", "d"}
     assert all(m.move_seconds < m.stay_seconds for m in moves)
+
+
+@dataclasses.dataclass
+class Shard:  # a generation shard's counters, as GenerationStats carries them
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+
+def test_one_call_per_iteration_feeds_every_model():
+    ids, lengths = ["p1", "p1", "p2"], [10, 14, 30]
+    shards = [Shard(160, 10, 0.4, 300, 0.03), Shard()]  # the second never decoded
+    timings = IterationTimings(2.5, shards, [4.0, 6.0])
+    once = ElasticPolicy(ElasticKnobs(), _model())
+    error = once.observe_iteration(ids, lengths, timings)
+    assert error["n_unseen"] == 2  # scored before the predictor learned these prompts
+    assert once.update_seconds == 2.5 and once.seen_cold_starts == 2
+    # the same as each model fed by hand: mean batch 16 over 10 steps of 0.04 s, 300 prompt
+    # tokens in 0.03 s, two cold starts; the empty shard adds nothing
+    by_hand = ElasticPolicy(ElasticKnobs(), _model())
+    by_hand.observe_after_generation(2.5)
+    by_hand.observe_decode(16.0, 0.04, n_steps=10)
+    by_hand.observe_prefill(300, 0.03)
+    by_hand.observe_cold_starts([4.0, 6.0])
+    by_hand.observe_lengths(ids, lengths)
+    assert once.throughput.to_record() == by_hand.throughput.to_record()
+    assert once.throughput.to_record() != _model().to_record()
+    np.testing.assert_allclose(once.predict(ids), by_hand.predict(ids))
+    static = ElasticPolicy(ElasticKnobs(), _model())  # a static pool: lengths only
+    static.observe_iteration(ids, lengths)
+    assert static.update_seconds == 0 and static.throughput.to_record() == _model().to_record()
+    np.testing.assert_allclose(static.predict(ids), once.predict(ids))
 
 
 def test_state_dict_round_trips_what_the_policy_learned():
