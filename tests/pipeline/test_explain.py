@@ -117,8 +117,10 @@ def run_example(name: str, tmp_path: Path, capsys, *sets: str) -> dict:
 @pytest.mark.slow  # real runs on a LocalCluster
 @pytest.mark.parametrize("name", ["tiny", "multi-turn"])
 def test_the_embedded_examples_run(name, tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the quick model stands in for the cached embedded one
-    summary = run_example(name, tmp_path, capsys, f"model={tiny_model_dir}")
+    # the quick model stands in for the embedded one: its context is 128 positions, not 256
+    monkeypatch.chdir(tmp_path)
+    summary = run_example(name, tmp_path, capsys, f"model={tiny_model_dir}",
+                          "max_turn_tokens=16", "max_episode_tokens=64")
     assert Path(summary["run"]).name == name
 
 
