@@ -6,6 +6,7 @@
     rlhfless graph [config.toml] [--set key=value ...] [-o iteration.png]
     rlhfless simulate [scenario.toml ...] [--plan --deadline S | --budget GPU_S]
     rlhfless report runs/<name> [-o DIR]
+    rlhfless config [--example NAME]
 
 A bad input ends in one line on stderr and exit status 2 (``--debug``: the traceback too);
 anything else that goes wrong is one line naming the exception, exit status 1.
@@ -160,6 +161,13 @@ def report_command(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def config_command(args: argparse.Namespace) -> int:
+    from .explain import example, listing
+
+    print(example(args.example) if args.example else listing(), end="")
+    return 0
+
+
 def run_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlhfless", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true",
@@ -203,6 +211,11 @@ def run_command(argv: list[str]) -> int:
     p.add_argument("run", help="the run directory, runs/<name>")
     p.add_argument("-o", "--output", help="directory for index.html and its images "
                    "(default: RUN/report)")
+    p = sub.add_parser("config", help="list every config key with its default and meaning, "
+                       "or print an example config")
+    p.set_defaults(handler=config_command)
+    p.add_argument("--example", metavar="NAME", help="print the example config NAME (a TOML "
+                   "file to start from; an unknown NAME lists them)")
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -10,6 +10,7 @@ to a bare string. The ``[rewards]`` table maps a ``data_source`` to a built-in v
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -60,57 +61,54 @@ class ConfigError(ValueError):
 class Config:
     # run
     name: str = "tiny"  # runs/<name>/ holds everything the run writes
-    runs_dir: str = "runs"
-    seed: int = 0
-    iterations: int = 30
+    runs_dir: str = "runs"  # the folder of run directories
+    seed: int = 0  # seeds prompt order, sampling and the elastic policy's draws
+    iterations: int = 30  # training iterations (one batch, one update each)
     checkpoint_every: int = 5  # iterations between checkpoints (and one after the last)
     keep_checkpoints: int = 2  # whole checkpoints kept on disk, newest first
     max_recoveries: int = 3  # trainer losses a run recovers from before it gives up
-    # a NaN/inf loss or gradient: the step is never taken; "stop" ends the run naming the
-    # iteration (a diverging run is caught), "skip" drops that batch and goes on
-    nonfinite_policy: str = "stop"
+    nonfinite_policy: str = "stop"  # a NaN/inf loss: "stop" the run or "skip" that batch
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
-    dataset: str = ""  # prompts for RL; empty: the tiny task's train split
-    heldout: str = ""  # prompts for evaluation; empty: the tiny task's held-out split
-    heldout_prompts: int = 256  # evaluate on the first N held-out prompts
+    dataset: str = ""  # prompts for RL (.jsonl/.json/.parquet); empty: the tiny task's
+    heldout: str = ""  # prompts for evaluation; empty: a split of dataset (or the tiny task's)
+    heldout_prompts: int = 256  # evaluate on at most N held-out prompts
     eval_every: int = 5  # iterations between held-out evaluations (and after the last)
-    max_prompt_tokens: int = 192
-    on_bad_row: str = "error"
-    on_long_prompt: str = "skip"
+    max_prompt_tokens: int = 192  # the longest prompt, in tokens (see on_long_prompt)
+    on_bad_row: str = "error"  # a malformed row: "error" names it, "skip" counts it
+    on_long_prompt: str = "skip"  # over max_prompt_tokens: "error", "truncate" or "skip"
     require_answers: bool = True  # a prompt without ground truth is a bad row
-    task: str = "tally"  # with model = "tiny": the embedded task (tally-tool: multi-turn;
-    # tally-long: the long-tail setting's prompts, LongTailTallyTask, on the default model)
-    # multi-turn rollouts (ops/rollouts/episode.py): on when an environment is set (or task needs
-    # one)
+    task: str = "tally"  # model = "tiny": tally, tally-tool (multi-turn) or tally-long
+    # multi-turn rollouts (ops/rollouts/episode.py): on when environment is set (or task needs one)
     environment: str = ""  # "python", "tally-tool" or "module:Class"; empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
-    max_turns: int = 4
-    max_turn_tokens: int = 64
+    max_turns: int = 4  # model turns per episode
+    max_turn_tokens: int = 64  # tokens the model generates per turn
     max_episode_tokens: int = 192  # generated + observation tokens after the prompt
     env_step_timeout_s: float = 10.0  # per environment call; over it ends the episode
     # algorithm
-    algorithm: str = "grpo"
+    algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     batch_prompts: int = 32  # prompts per iteration
     n_samples: int = 8  # responses per prompt (the group)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 5e-4  # 2e-3 collapsed the tiny model in some seeds (reward -> 0)
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
+    max_new_tokens: int = 64  # tokens generated per response
+    temperature: float = 1.0  # sampling temperature of generation and of the loss
+    top_p: float = 1.0  # nucleus sampling threshold (1: off)
+    lr: float = 5e-4  # learning rate (2e-3 collapsed the tiny model in some seeds)
+    clip_eps: float = 0.2  # PPO ratio clip
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy
     epochs: int = 1  # optimizer steps per batch
-    micro_batch_tokens: int = 8192
-    max_grad_norm: float = 1.0
-    rewards: dict[str, str] = field(default_factory=lambda: {"tally": "exact"})
-    default_reward: str = "math"
-    reward_timeout_s: float = 5.0
-    reward_fallback: float = 0.0
-    share_prefixes: bool = True
+    micro_batch_tokens: int = 8192  # tokens per forward/backward micro-batch
+    max_grad_norm: float = 1.0  # gradient clipping norm
+    rewards: dict[str, str] = field(  # data_source -> "math", "exact" or "module:function"
+        default_factory=lambda: {"tally": "exact"})
+    default_reward: str = "math"  # the verifier of a data_source not in rewards
+    reward_timeout_s: float = 5.0  # per reward call; over it gets reward_fallback
+    reward_fallback: float = 0.0  # the reward of a response whose reward failed
+    share_prefixes: bool = True  # prompts that share a token prefix compute it once
     min_prefix: int = 4  # shortest token prefix worth sharing across prompts
     # execution
     # sync | async (bounded staleness) | replay (experience replay) | async+replay (both)
-    mode: str = "sync"
+    mode: str = "sync"  # sync, async, replay or async+replay
     max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
     tis_cap: float = 2.0  # not sync: cap of the importance weight pi_prox / pi_behaviour
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
@@ -123,15 +121,14 @@ class Config:
     replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
-    policy: str = "static"
+    policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
-    # backend = "emulated" (pipeline/tasks/emulated_backend.py): tasks take the time a GPU profile
-    # says
+    # backend = "emulated" (pipeline/tasks/emulated_backend.py): a GPU profile's task times
     emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
     emulate_time_scale: float = 0.05  # wall seconds per emulated second
-    cluster: str = "local"
-    device: str = "auto"
+    cluster: str = "local"  # where workers run: local processes, slurm or pbs jobs
+    device: str = "auto"  # auto (cuda if present), cpu or cuda
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
     # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run):
     # the knobs of schedulers/policy.py ElasticKnobs, with its defaults and reasons
@@ -140,14 +137,15 @@ class Config:
     assignment: str = KNOBS.assignment
     keep_alive_s: float = KNOBS.keep_alive_s
     ewma_alpha: float = KNOBS.ewma_alpha
-    prices: dict[str, float] = field(default_factory=lambda: {"gen": 1.0, "train": 1.0})
+    prices: dict[str, float] = field(  # price per worker-second of each pool
+        default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
     train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
     train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
     train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights
-    gradient_checkpointing: bool = False  # recompute layers in backward: less memory, rows
-    # then run whole (no shared-prompt forward; ops/engine/forward.py)
+    # gradient_checkpointing: rows then run whole (no shared-prompt forward; ops/engine/forward.py)
+    gradient_checkpointing: bool = False  # recompute layers in backward: less memory, slower
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (peft; the lora extra)
     lora_alpha: float = 16.0  # LoRA scale alpha / lora_rank
     lora_target_modules: list[str] = field(  # module names that get adapters
@@ -155,13 +153,13 @@ class Config:
     worker_memory: str = "4GiB"  # per worker process, a size as Dask reads it ("4GiB", "500MB")
     # a generation task that shows no progress (decode steps) for longer than
     # stall_timeout_factor x its predicted duration + min_stall_s is a lost worker: restarted
-    stall_timeout_factor: float = 10.0  # generous: a prediction may be off several-fold
-    min_stall_s: float = 120.0  # floor of that deadline: a first task has no prediction
-    scheduler_host: str = "127.0.0.1"  # never listen on all interfaces unless asked
+    stall_timeout_factor: float = 10.0  # stall deadline / predicted duration (generous)
+    min_stall_s: float = 120.0  # floor of the stall deadline: a first task has no prediction
+    scheduler_host: str = "127.0.0.1"  # where the scheduler listens (never all, unless asked)
     dashboard: bool = False  # serve Dask's dashboard: plain HTTP any local user can read
     dashboard_address: str = "127.0.0.1:0"  # where it listens when dashboard = true
     run_umask: int = 0o077  # files of a run 0600, its dirs 0700; 0o022 shares them read-only
-    security: dict[str, Any] = field(default_factory=dict)  # [security]: TLS (security.py)
+    security: dict[str, Any] = field(default_factory=dict)  # TLS of the cluster (security.py)
     # batch jobs (cluster = "slurm" | "pbs"): one job per worker, per-pool directives
     queue: str = ""  # Slurm partition / PBS queue; empty: the site's default
     account: str = ""  # charged account (-A); empty: the site's default
@@ -172,7 +170,7 @@ class Config:
     gen_gpus: int = 0  # GPUs per generation job (--gres=gpu:N)
     train_gpus: int = 0  # GPUs of the trainer's job
     gen_job_directives: list[str] = field(default_factory=list)  # e.g. ["--constraint=a100"]
-    train_job_directives: list[str] = field(default_factory=list)
+    train_job_directives: list[str] = field(default_factory=list)  # of the trainer's job
     job_start_timeout_s: float = 600.0  # a job not running a worker by then is an error
 
     def __post_init__(self) -> None:
@@ -396,7 +394,10 @@ def make_config(values: dict[str, Any]) -> Config:
     for key, value in values.items():
         key = RENAMED.get(key, key)
         if key not in known:
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ConfigError(f"unknown config key {key!r}; {hint}'rlhfless config' lists "
+                              "every key with its default and meaning")
         checked[key] = _coerce(key, value, hints[key])
     return Config(**checked)
 

@@ -1,18 +1,21 @@
 """What a run is built from: its model, its prompt sets, and the specs its tasks get.
 
 ``resolve_model`` finds the model directory (building the embedded tiny one on first use),
-``load_prompt_sets`` reads the training and held-out prompts with one-line errors, and
+``load_prompt_sets`` reads the training and held-out prompts with one-line errors (a
+``dataset`` without ``heldout`` keeps a fixed split of itself out of training to evaluate on), and
 ``make_specs`` turns the configuration into the frozen ``Specs`` that generation, reward and
 update tasks carry to the workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from transformers import AutoTokenizer
 
 from rlhfless.ops.algo.update import UpdateParams
@@ -29,6 +32,11 @@ from .tasks.engines import EngineSpec
 from .tasks.rollout import GenSpec
 from .tasks.scoring import RewardSpec
 from .tasks.trainer import TrainSpec
+
+# a dataset without heldout: 1 in HELDOUT_SHARE of its prompts (1 at least, heldout_prompts at
+# most) is held out for evaluation, chosen by a keyed hash of the prompt_id (split_heldout)
+HELDOUT_SHARE = 10
+HELDOUT_SALT = b"rlhfless heldout"
 
 
 @dataclass(frozen=True)
@@ -83,32 +91,59 @@ def episode_params(cfg: Config) -> EpisodeParams | None:
 def load_prompt_sets(cfg: Config, model_path: Path,
                      log: Callable[[str], None] = print) -> tuple[pa.Table, pa.Table, dict]:
     """The training and held-out prompts, and what loading skipped (counted, and said once
-    through ``log``). A source that cannot be read, a bad row (under ``on_bad_row =
-    "error"``), a duplicate id, fewer training prompts than a batch or no held-out prompt is
-    a ``ConfigError`` of one line."""
+    through ``log``). A ``dataset`` without ``heldout`` keeps its own held-out split
+    (``split_heldout``, said through ``log``), never the tiny task's. A source that cannot be
+    read, a bad row (under ``on_bad_row = "error"``), a duplicate id, fewer training prompts
+    than a batch or no held-out prompt is a ``ConfigError`` of one line."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
     train = _read_prompt_set("dataset", cfg.dataset or task_prompts(cfg, model_path, "train"),
                              tokenizer, kw)
-    heldout = _read_prompt_set("heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"),
-                               tokenizer, kw)
-    n, source = len(train.table), f"dataset {cfg.dataset or 'of the tiny task'}"
-    if n == 0:
+    source = f"dataset {cfg.dataset or 'of the tiny task'}"
+    if len(train.table) == 0:
         raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
                           f"batch_prompts = {cfg.batch_prompts}")
+    prompts, held = train.table, ""
+    if cfg.dataset and not cfg.heldout:
+        n_held = min(cfg.heldout_prompts, max(1, len(prompts) // HELDOUT_SHARE))
+        prompts, heldout_table = split_heldout(prompts, n_held)
+        held = f" ({n_held} more held out for evaluation: heldout is not given)"
+    else:
+        heldout = _read_prompt_set(
+            "heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"), tokenizer, kw)
+        heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
+        if len(heldout.table) == 0:  # its accuracy would be NaN
+            raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
+                              "accuracy needs at least one")
+        heldout_table = heldout.table
+    n = len(prompts)
     if n < cfg.batch_prompts:  # a batch never repeats a prompt
-        raise ConfigError(f"{source}: {n} prompts{_skipped(train)}, fewer than batch_prompts = "
-                          f"{cfg.batch_prompts}; set batch_prompts to at most {n} or give more")
-    heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
-    if len(heldout.table) == 0:  # its accuracy would be NaN
-        raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
-                          "accuracy needs at least one")
+        raise ConfigError(f"{source}: {n} prompts{_skipped(train)}{held}, fewer than "
+                          f"batch_prompts = {cfg.batch_prompts}; set batch_prompts to at most "
+                          f"{n} or give more{' (or give heldout)' if held else ''}")
     _say_skipped(log, source, train)
-    _say_skipped(log, heldout_source, heldout)
+    if held:
+        log(f"heldout: {len(heldout_table)} of the {len(train.table)} prompts of {source}, "
+            "kept out of training (a fixed split by prompt_id); set heldout to evaluate on "
+            "prompts of your own")
+    else:
+        _say_skipped(log, heldout_source, heldout)
     counts = {"prompts_skipped_bad": train.n_skipped_bad, "prompts_truncated": train.n_truncated,
               "prompts_skipped_long": train.n_skipped_long}
-    return train.table, heldout.table.slice(0, cfg.heldout_prompts), counts
+    return prompts, heldout_table.slice(0, cfg.heldout_prompts), counts
+
+
+def split_heldout(table: pa.Table, n: int) -> tuple[pa.Table, pa.Table]:
+    """(training, held-out) rows of a ``PROMPTS`` table: the ``n`` whose ``prompt_id`` hashes
+    lowest (BLAKE2b keyed with ``HELDOUT_SALT``) are held out; both keep the source order. The
+    split depends on the ids alone: not on row order, ``seed`` or a resume."""
+    ids = table.column("prompt_id").to_pylist()
+    rank = sorted(range(len(ids)), key=lambda i: hashlib.blake2b(
+        ids[i].encode(), key=HELDOUT_SALT, digest_size=8).digest())
+    held = set(rank[:n])
+    mask = pa.array([i in held for i in range(len(ids))], pa.bool_())
+    return table.filter(pc.invert(mask)), table.filter(mask)
 
 
 def task_prompts(cfg: Config, model_path: Path, split: str) -> Path | pa.Table:

@@ -79,9 +79,13 @@ def loads_torch(code: str) -> bool:
 
 
 def test_the_command_line_loads_no_torch_for_help_config_and_report(tmp_path):
+    """``--help``, ``config`` (listing and examples), config loading and ``report``."""
     assert not loads_torch("import rlhfless.pipeline.cli")
     assert not loads_torch("from rlhfless.pipeline.cli import main\n"
                            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    for argv in (["config"], ["config", "--example", "gsm8k"]):
+        assert not loads_torch("from rlhfless.pipeline.cli import main\n"
+                               f"assert main({argv!r}) == 0")
     assert not loads_torch("from rlhfless.pipeline.config import load_config\n"
                            "load_config(None, ['iterations=2'])")
     run = ROOT / "tests" / "data" / "recorded_run"  # a real run directory, read only

@@ -147,7 +147,8 @@ def test_a_heldout_set_without_rows_is_one_line(probe, tmp_path):
 def test_a_dataset_smaller_than_a_batch_is_one_line(probe, tmp_path):
     data = write_jsonl(tmp_path / "five.jsonl", tally_rows(5))
     code, err, _ = probe("--set", f"dataset={data}", "--set", "batch_prompts=8")
-    one_line(code, err, "five.jsonl", "5 prompts", "batch_prompts = 8", "at most 5")
+    one_line(code, err, "five.jsonl", "4 prompts (1 more held out for evaluation",
+             "batch_prompts = 8", "at most 4", "give heldout")
 
 
 def test_a_batch_across_the_epoch_boundary_trains(probe, tmp_path):

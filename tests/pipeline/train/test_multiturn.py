@@ -23,7 +23,8 @@ def test_failing_environments_do_not_stop_the_run(tiny_model_dir, tmp_path, poli
                  gen_workers=2, train_threads=1, policy=policy, mode=mode,
                  environment="episode_envs:Faulty", env_kwargs={"turns": 2},
                  max_turns=3, max_turn_tokens=12, max_episode_tokens=60,
-                 env_step_timeout_s=1.0, dataset=str(tmp_path / "train.jsonl"))
+                 env_step_timeout_s=1.0, dataset=str(tmp_path / "train.jsonl"),
+                 heldout=str(tiny_model_dir / "heldout.jsonl"))
     lines = [(f'{{"prompt_id": "q{i}", "prompt": "Items: fig pear\\nAnswer:", '
               f'"answer": "{fault}", "data_source": "tally"}}')
              for i, fault in enumerate(["raise", "hang", "garbage", "bad-reset", "2", "3"])]
