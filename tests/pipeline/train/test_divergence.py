@@ -1,0 +1,44 @@
+"""A run that diverges, end to end: a learning rate so large that the first update puts the
+weights near 1e30, after which the next loss overflows float32 (squares of 1e30 are inf), through
+the real model, trainer and update. The run stops with one line naming the iteration (exit 2,
+no traceback), the diverged update is not committed, and ``rlhfless export`` writes the last
+finite model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from rlhfless.pipeline.cli import main
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_in_one_line_and_exports_its_last_finite_model(
+        tiny_model_dir, tmp_path, capsys):
+    cmd = [sys.executable, "-m", "rlhfless.pipeline.cli", "train", "--no-progress"]
+    for s in (f"model='{tiny_model_dir}'", "name='diverge'", "iterations=4", "batch_prompts=4",
+              "n_samples=2", "max_new_tokens=8", "heldout_prompts=4", "eval_every=100",
+              "gen_workers=1", "train_threads=1", "checkpoint_every=1", "keep_checkpoints=1",
+              "lr=1e30"):
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    run = tmp_path / "runs" / "diverge"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    diverged = [m for m in records if m["event"] == "iteration" and m.get("nonfinite_update")]
+    assert len(diverged) == 1, records
+    iteration = diverged[0]["iteration"]
+    assert lines[0].startswith(f"rlhfless: iteration {iteration}: the loss or gradient is not "
+                               "finite"), lines[0]
+    assert not (run / f"checkpoints/iter-{iteration:05d}").exists()  # not committed
+    assert main(["export", str(run), "-o", str(tmp_path / "hf")]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported["checkpoint"].endswith(f"iter-{iteration - 1:05d}")
+    assert weights and all(bool(t.float().isfinite().all()) for t in weights.values())
