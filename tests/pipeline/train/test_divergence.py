@@ -1,8 +1,12 @@
-"""A run that diverges, end to end: a learning rate so large that the first update puts the
-weights near 1e30, after which the next loss overflows float32 (squares of 1e30 are inf), through
-the real model, trainer and update. The run stops with one line naming the iteration (exit 2,
-no traceback), the diverged update is not committed, and ``rlhfless export`` writes the last
-finite model."""
+"""A run that diverges, end to end: a learning rate so large that the first update with a
+nonzero gradient puts the weights near 1e30, after which the next loss overflows float32
+(squares of 1e30 are inf), through the real model, trainer and update. The run stops with
+one line naming the iteration (exit 2, no traceback), the diverged update is not committed,
+and ``rlhfless export`` writes the last finite model.
+
+The batch is big enough that some group's rewards differ: a batch whose every group has equal
+rewards has zero advantages, a zero gradient and an update of zero whatever the learning rate
+(how a small batch of the tiny model kept lr = 1e6 finite)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,10 @@ from rlhfless.pipeline.cli import main
 def test_a_diverging_run_stops_in_one_line_and_exports_its_last_finite_model(
         tiny_model_dir, tmp_path, capsys):
     cmd = [sys.executable, "-m", "rlhfless.pipeline.cli", "train", "--no-progress"]
-    for s in (f"model='{tiny_model_dir}'", "name='diverge'", "iterations=4", "batch_prompts=4",
-              "n_samples=2", "max_new_tokens=8", "heldout_prompts=4", "eval_every=100",
+    for s in (f"model='{tiny_model_dir}'", "name='diverge'", "iterations=6", "batch_prompts=8",
+              "n_samples=4", "max_new_tokens=32", "heldout_prompts=4", "eval_every=100",
               "gen_workers=1", "train_threads=1", "checkpoint_every=1", "keep_checkpoints=1",
-              "lr=1e30"):
+              "lr=1e30", "kl_coef=0.1"):
         cmd += ["--set", s]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr
