@@ -1,12 +1,14 @@
 """A run that diverges, end to end: a learning rate so large that the first update with a
-nonzero gradient puts the weights near 1e30, after which the next loss overflows float32
-(squares of 1e30 are inf), through the real model, trainer and update. The run stops with
-one line naming the iteration (exit 2, no traceback), the diverged update is not committed,
-and ``rlhfless export`` writes the last finite model.
+nonzero gradient moves every weight by about 1e30 (Adam's first step is lr x the gradient's
+sign). The next update's gradient is NaN: squares of 1e30 overflow float32 inside the norms,
+and the KL term (kl_coef > 0) differentiates through them even where every advantage is 0.
+All through the real model, trainer and update. The run stops with one line naming the
+iteration (exit 2, no traceback), the diverged update is not committed, and ``rlhfless
+export`` writes the last finite model.
 
-The batch is big enough that some group's rewards differ: a batch whose every group has equal
-rewards has zero advantages, a zero gradient and an update of zero whatever the learning rate
-(how a small batch of the tiny model kept lr = 1e6 finite)."""
+Without the KL term a batch whose every group has equal rewards has zero advantages, a zero
+gradient and an update of zero whatever the learning rate (how a small batch of the tiny
+model kept lr = 1e6 finite), and the broken model's rewards are all equal."""
 
 from __future__ import annotations
 
