@@ -150,7 +150,7 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from .durable.checkpoint import export_from_args
+    from .durable.export import export_from_args
 
     return export_from_args(args)
 

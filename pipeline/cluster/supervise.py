@@ -3,11 +3,17 @@
 ``supervise(pc, cfg)`` installs, on the run's cluster:
 
 * ``StallWatch`` (scheduler plugin): every ``CHECK_S`` it looks at each decoding task
-  (stages ``WATCHED``: a chunk, a resumed, adopted or moved tail) being processed. Its
+  (stages ``WATCHED``: a chunk, a resumed, adopted or moved tail) that its worker's last
+  heartbeat said was executing (not one queued behind another task on that worker: the
+  beats of the task before it are not its progress, nor is the wait its stall). Its
   progress clock is the later of when it was first seen processing and when its worker's
   beat count last changed (decode steps, ``ops/engine/progress.py``, reported with the worker's
   heartbeats); a task is watched from its first beat on (its engine load and prefill are
   not: under load they went tens of seconds without a heartbeat reaching the scheduler).
+  Beats counted since the check before a task was first seen executing are its own: a
+  task shorter than a check (or stopped within one) is watched too. At worst they were the
+  last of the task before it on that worker; then the new one's load and prefill, a part
+  of its predicted duration, are watched, well within the deadline.
   A task whose clock is older than
   ``stall_timeout_factor`` x its predicted duration (Dask's running mean of its stage's
   durations; 0 before one finished) + ``min_stall_s`` has a stalled worker: a
@@ -75,13 +81,14 @@ class StallWatch(SchedulerPlugin):
             self.moved = {a: (c, t + gap) for a, (c, t) in self.moved.items()}
         for address, ws in self.scheduler.workers.items():
             count = ws.metrics.get(BEATS_METRIC)
-            if count is not None and self.moved.get(address, (None,))[0] != count:
+            before = self.moved.get(address, (count,))[0]  # the count at the last check
+            if count is not None and before != count:
                 self.moved[address] = (count, now)
-            for ts in ws.processing:
-                if stage_of(ts.key) not in WATCHED:
+            for ts in ws.executing:  # as of its last heartbeat, which also sent the beats
+                if ts.processing_on is not ws or stage_of(ts.key) not in WATCHED:
                     continue
                 live.add((address, ts.key))
-                first, beats_then = self.seen.setdefault((address, ts.key), (now, count))
+                first, beats_then = self.seen.setdefault((address, ts.key), (now, before))
                 if count == beats_then:  # not decoding yet (engine load, prefill)
                     continue
                 since = max(first, self.moved[address][1])

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.durable import checkpoint as ckpt
+from rlhfless.pipeline.durable.export import export_hf
 from rlhfless.pipeline.durable.recovery import trim_run
 from rlhfless.pipeline.durable.runs import RunDir
 from rlhfless.pipeline.durable.zarr_state import (
@@ -223,7 +224,7 @@ def test_a_chunk_overwritten_in_place_falls_back_to_the_previous_checkpoint(tmp_
     for name, tensor in fresh.state_dict().items():
         assert torch.isfinite(tensor.float()).all() and torch.equal(tensor, good[name]), name
     with pytest.raises(ValueError, match="CRC32C"):
-        ckpt.export_hf(newest, tmp_path / "hf")
+        export_hf(newest, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -295,7 +296,7 @@ def test_export_hf_loads_with_transformers(tiny_model_dir, tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     path = save(tmp_path / "checkpoints", 1, model, opt, model_path=str(tiny_model_dir))
-    out = ckpt.export_hf(ckpt.find(tmp_path), tmp_path / "hf")
+    out = export_hf(ckpt.find(tmp_path), tmp_path / "hf")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -159,14 +159,18 @@ def _beats(dask_scheduler, prefix: str) -> dict[str, int]:
             if any(str(ts.key).startswith(prefix) for ts in ws.processing)}
 
 
-def stop_when_decoding(client, prefix: str) -> tuple[str, int]:
+def stop_when_decoding(client, prefix: str, thread: threading.Thread, out: dict
+                       ) -> tuple[str, int]:
     """SIGSTOP a worker once it sent decode beats while processing a task ``prefix``*;
-    returns (its name, its pid)."""
+    returns (its name, its pid). A run that ended first is reported as such."""
     pids = client.run(os.getpid)
     names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
     first: dict[str, int] = {}
 
     def find():
+        if not thread.is_alive():
+            raise AssertionError(f"the run ended before a task {prefix}* was seen decoding: "
+                                 f"{out.get('error')!r}")
         for address, count in client.run_on_scheduler(_beats, prefix=prefix).items():
             if count > first.setdefault(address, count):
                 return address
@@ -185,7 +189,7 @@ def test_stopped_generation_worker_costs_its_deadline_and_loses_nothing(base_cfg
     cfg = replace(base_cfg, name="gen-stop", min_stall_s=20.0, stall_timeout_factor=2.0)
     thread, out = train_in_thread(cfg)
     client = run_client(thread)
-    stopped, pid = stop_when_decoding(client, "generate-2-")
+    stopped, pid = stop_when_decoding(client, "generate-2-", thread, out)
     stopped_at = time.time()
     try:
         run = finish(thread, out)

@@ -17,7 +17,8 @@ from rlhfless.ops.algo.update import update_policy
 from rlhfless.ops.engine.lora import LoraSpec, adapter_bytes, add_adapters, is_adapter
 from rlhfless.ops.engine.publish import WeightsRef, load_weights, publish_weights
 from rlhfless.pipeline.config import Config, ConfigError
-from rlhfless.pipeline.durable.checkpoint import export_hf, find
+from rlhfless.pipeline.durable.checkpoint import find
+from rlhfless.pipeline.durable.export import export_hf
 from rlhfless.pipeline.train.loop import train
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
