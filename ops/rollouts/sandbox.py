@@ -181,10 +181,14 @@ def _bwrap(*command: str, disk_bytes: int) -> list[str]:
                "--cap-add", "CAP_SETGID", "--cap-add", "CAP_CHOWN"]
     else:
         who = ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    return [bwrap, *who, "--die-with-parent", "--new-session", "--as-pid-1", *_mounts(),
+    mounts = _mounts()
+    # /tmp is the sandbox, unless the Python installation lives below it (a venv in a
+    # checkout under /tmp): then /tmp holds that read-only bind and TMPDIR alone says where
+    tmp = [] if "/tmp" in mounts else ["--symlink", "/sandbox", "/tmp"]
+    return [bwrap, *who, "--die-with-parent", "--new-session", "--as-pid-1", *mounts,
             "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--perms", "0700",
-            "--size", str(disk_bytes), "--tmpfs", "/sandbox", "--symlink", "/sandbox", "/tmp",
-            "--remount-ro", "/", "--chdir", "/sandbox", "--clearenv",
+            "--size", str(disk_bytes), "--tmpfs", "/sandbox", *tmp, "--remount-ro", "/",
+            "--chdir", "/sandbox", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox",
             "--setenv", "TMPDIR", "/sandbox", "--setenv", "LANG", "C.UTF-8", *command]
 
