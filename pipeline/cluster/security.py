@@ -62,7 +62,7 @@ def check_security(section: Mapping[str, Any]) -> None:
     for key, value in section.items():
         kind = SECURITY_KEYS.get(key)
         if kind is None:
-            raise ValueError(f"security.{key} is not a security setting; known: "
+            raise ValueError(f"security key {key!r} is not a security setting; known: "
                              f"{', '.join(sorted(SECURITY_KEYS))}")
         if not isinstance(value, kind):
             raise ValueError(f"security.{key} = {value!r} must be of type {kind.__name__}")

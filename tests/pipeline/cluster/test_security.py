@@ -56,7 +56,7 @@ def test_cluster_listens_on_localhost_by_default(tmp_path):
 
 
 def test_security_section_is_checked(tmp_path):
-    with pytest.raises(ConfigError, match="security.tls_foo is not a security setting"):
+    with pytest.raises(ConfigError, match="security key .tls_foo. is not a security setting"):
         load_config(None, ["security={tls_foo='x'}"])
     with pytest.raises(ConfigError, match="security.require_encryption = 'yes' must be"):
         load_config(None, ["security={require_encryption='yes'}"])
