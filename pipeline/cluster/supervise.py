@@ -82,8 +82,8 @@ class StallWatch(SchedulerPlugin):
         for address, ws in self.scheduler.workers.items():
             count = ws.metrics.get(BEATS_METRIC)
             before = self.moved.get(address, (count,))[0]  # the count at the last check
-            if count is not None and before != count:
-                self.moved[address] = (count, now)
+            if count is not None and (address not in self.moved or before != count):
+                self.moved[address] = (count, now)  # first seen, or moved since
             for ts in ws.executing:  # as of its last heartbeat, which also sent the beats
                 if ts.processing_on is not ws or stage_of(ts.key) not in WATCHED:
                     continue
