@@ -120,7 +120,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_said_so(run, tiny_model_dir, ca
         ckpt.prune(run / "checkpoints", keep=1)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.AutoModelForCausalLM, "from_pretrained", live_run_meanwhile)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", live_run_meanwhile)
     assert main(["export", str(run), "-o", "hf"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # after the progress bars of the loading
     assert "Traceback" not in err
