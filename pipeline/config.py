@@ -21,7 +21,7 @@ import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
 from rlhfless.ops.rollouts.env import BUILTIN_ENVIRONMENTS
-from rlhfless.schedulers.policy import ElasticKnobs
+from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .cluster.security import check_security
 
@@ -42,7 +42,7 @@ CHOICES = {
     "task": ("tally", "tally-tool", "tally-long"),
 }
 
-KNOBS = ElasticKnobs()
+KNOBS = ScalingKnobs()
 # keys renamed since a run's config.json was written: old name -> new name
 RENAMED = {"tau_migrate": "tau"}
 
@@ -131,7 +131,7 @@ class Config:
     device: str = "auto"  # auto (cuda if present), cpu or cuda
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
     # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run):
-    # the knobs of schedulers/policy.py ElasticKnobs, with its defaults and reasons
+    # the knobs of schedulers/scaling_policy.py ScalingKnobs, with its defaults and reasons
     lambda_cost: float = KNOBS.lambda_cost
     tau: float = KNOBS.tau
     assignment: str = KNOBS.assignment
@@ -194,7 +194,7 @@ class Config:
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         try:
-            self.elastic_knobs()
+            self.scaling_knobs()
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if set(self.prices) != {"gen", "train"}:
@@ -282,10 +282,10 @@ class Config:
         """Whether batches reuse groups from a replay buffer (modes replay, async+replay)."""
         return self.mode in ("replay", "async+replay")
 
-    def elastic_knobs(self) -> ElasticKnobs:
+    def scaling_knobs(self) -> ScalingKnobs:
         """The elastic policy's knobs of this run (the simulator takes the same)."""
-        return ElasticKnobs(**{f.name: getattr(self, f.name)
-                               for f in dataclasses.fields(ElasticKnobs)})
+        return ScalingKnobs(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(ScalingKnobs)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,7 +2,7 @@
 the example configurations that ship with the package (``pipeline/examples/*.toml``).
 
 A key's meaning is the comment beside its field in ``pipeline/config.py``, the one place keys
-are declared (an elastic knob's, beside its field in ``schedulers/policy.py``), read from the
+are declared (an elastic knob's, beside its field in ``schedulers/scaling_policy.py``), read from the
 source: a field without one is an error of ``key_meanings``, so a new key cannot go
 undocumented. ``listing()`` is itself a TOML file of the defaults, one ``key = default  #
 meaning`` line per key, in declaration order.
@@ -20,7 +20,7 @@ import tokenize
 from importlib import resources
 from typing import Any
 
-from rlhfless.schedulers.policy import ElasticKnobs
+from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .config import Config, ConfigError
 
@@ -41,7 +41,7 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def key_meanings() -> dict[str, str]:
     """Every key of ``Config`` -> its one-line meaning, in declaration order."""
-    own, knobs = field_comments(Config), field_comments(ElasticKnobs)
+    own, knobs = field_comments(Config), field_comments(ScalingKnobs)
     meanings = {f.name: own.get(f.name) or knobs.get(f.name, "")
                 for f in dataclasses.fields(Config)}
     missing = [key for key, meaning in meanings.items() if not meaning]

@@ -93,8 +93,8 @@ class DriverState:
     sampler_position: int  # prompts consumed so far (PromptSampler.position)
     predictor: dict[str, Any]  # LengthPredictor.state_dict()
     throughput: dict[str, Any]  # ThroughputModel.state_dict()
-    update_seconds: float = 1.0  # ElasticPolicy.update_seconds
-    kv: dict[str, Any] = field(default_factory=dict)  # ElasticPolicy.kv.state_dict()
+    update_seconds: float = 1.0  # ScalingPolicy.update_seconds
+    kv: dict[str, Any] = field(default_factory=dict)  # ScalingPolicy.kv.state_dict()
     ledger_totals: dict[str, float] = field(default_factory=dict)
     model_path: str = ""  # the Hugging Face directory the run started from
     data_digest: str = ""  # fingerprint of the prompts the sampler draws from

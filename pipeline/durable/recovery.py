@@ -62,7 +62,7 @@ from .runs import RunDir
 
 if TYPE_CHECKING:
     from rlhfless.schedulers.ledger import CostLedger
-    from rlhfless.schedulers.policy import ElasticPolicy
+    from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
     from ..cluster.pools import PoolCluster
     from ..train.sampler import PromptSampler
@@ -280,7 +280,7 @@ class Durable:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-             state: ElasticPolicy, ledger: CostLedger) -> Path:
+             state: ScalingPolicy, ledger: CostLedger) -> Path:
         started = time.perf_counter()
         tmp = ckpt.begin(self.root, iteration)
         parts = self._each_rank(save_trainer_task, self.spec, str(tmp), self.token)
@@ -304,7 +304,7 @@ class Durable:
                                  "checkpoint_s": time.perf_counter() - started})
         return path
 
-    def restore(self, path: Path, sampler: PromptSampler, state: ElasticPolicy,
+    def restore(self, path: Path, sampler: PromptSampler, state: ScalingPolicy,
                 drop_eval_at: bool) -> tuple[int, WeightsRef]:
         """Put the run back to the checkpoint at ``path``; returns (iteration, weights)."""
         driver = ckpt.read_driver(path)
@@ -327,7 +327,7 @@ class Durable:
         trim_run(self.run, driver.iteration, drop_eval_at)
         return driver.iteration, weights
 
-    def start(self, sampler: PromptSampler, state: ElasticPolicy, weights: WeightsRef,
+    def start(self, sampler: PromptSampler, state: ScalingPolicy, weights: WeightsRef,
               ledger: CostLedger, resume: bool = False) -> tuple[int, WeightsRef]:
         """A fresh run: seed the trainer and commit checkpoint 0. ``resume``: restore the
         newest whole checkpoint. Returns (iteration done, weights)."""
@@ -347,7 +347,7 @@ class Durable:
         return iteration, weights
 
     def after_iteration(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-                        state: ElasticPolicy, ledger: CostLedger) -> tuple[int, WeightsRef]:
+                        state: ScalingPolicy, ledger: CostLedger) -> tuple[int, WeightsRef]:
         """Commit a checkpoint when one is due; if the trainer died meanwhile, recover."""
         if iteration % self.cfg.checkpoint_every and iteration != self.cfg.iterations:
             return iteration, weights
@@ -358,7 +358,7 @@ class Durable:
         return iteration, weights
 
     def recover(self, err: Exception, sampler: PromptSampler,
-                state: ElasticPolicy) -> tuple[int, WeightsRef]:
+                state: ScalingPolicy) -> tuple[int, WeightsRef]:
         """Re-raise ``err`` unless the trainer was lost; if it was, go back to the newest whole
         checkpoint. Returns (iteration restored, weights)."""
         if not isinstance(err, TrainerLost):

@@ -18,7 +18,7 @@ import pyarrow as pa
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.policy import ElasticPolicy, IterationTimings
+from rlhfless.schedulers.scaling_policy import ScalingPolicy, IterationTimings
 
 from ..cluster.pools import PoolCluster
 from ..config import Config
@@ -28,28 +28,28 @@ from ..train.graph import rollout_graph
 
 
 def heldout_rollouts(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-                     cfg: Config, policy: ElasticPolicy | None = None) -> pa.Table:
+                     cfg: Config, scaling: ScalingPolicy | None = None) -> pa.Table:
     """The scored greedy rollouts of the held-out prompts with ``weights`` (``policy``:
     predicts the work its generate tasks declare)."""
     if not pc.worker_names("gen"):  # the elastic policy may have released every one
         pc.grow("gen", 1)
     _, _, scored = rollout_graph(heldout, weights, weights.version, cfg.gen_workers, specs.eval,
                               specs.reward, seed=cfg.seed, min_prefix=cfg.min_prefix,
-                              tag="eval", policy=policy)
+                              tag="eval", scaling=scaling)
     return Generated.concat(pc.client.compute(scored, optimize_graph=False, sync=True)).table
 
 
 def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
-             cfg: Config, policy: ElasticPolicy | None = None) -> dict:
+             cfg: Config, scaling: ScalingPolicy | None = None) -> dict:
     """Held-out accuracy of greedy decoding with ``weights``."""
-    table = heldout_rollouts(pc, heldout, weights, specs, cfg, policy)
+    table = heldout_rollouts(pc, heldout, weights, specs, cfg, scaling)
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     return {"policy_version": weights.version,
             "heldout_accuracy": float(np.mean(table.column("reward").to_numpy())),
             "heldout_response_len_mean": float(np.mean(lengths)), "heldout_n": len(table)}
 
 
-def observe_iteration(policy: ElasticPolicy, table: pa.Table,
+def observe_iteration(scaling: ScalingPolicy, table: pa.Table,
                       timings: IterationTimings | None) -> dict:
     """Feed the scheduling policy what an iteration measured: the response lengths of its
     rows ``table`` and, with an elastic pool, its ``timings`` (``ElasticGeneration.
@@ -58,7 +58,7 @@ def observe_iteration(policy: ElasticPolicy, table: pa.Table,
     them) as ``len_pred_*``."""
     ids = table.column("prompt_id").to_pylist()
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    error = policy.observe_iteration(ids, lengths, timings)
+    error = scaling.observe_iteration(ids, lengths, timings)
     return {f"len_pred_{k}": v for k, v in error.items()}
 
 

@@ -213,7 +213,7 @@ def load_scenario(path: str | Path) -> Scenario:
         knobs = {}
         if "config" in raw:  # the run's own knobs, read as `rlhfless train` reads them
             run_cfg = load_config(path.parent / raw["config"])
-            knobs = dataclasses.asdict(run_cfg.elastic_knobs())
+            knobs = dataclasses.asdict(run_cfg.scaling_knobs())
         policy = ELASTIC.replace(**knobs | _fields(PolicyConfig, raw.get("policy", {}),
                                                    f"{path} [policy]"))
         gpus = raw.get("gpus", 16)

@@ -47,7 +47,7 @@ class TrainSpec:
 
 
 @dataclass
-class Engine:
+class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     version: int
@@ -58,7 +58,7 @@ class Engine:
 class Trainer:
     """This process's trainer, kept between tasks (one per model path)."""
 
-    engine: Engine  # its ``model`` unwrapped; ``version`` is the trainer's policy version
+    loaded: LoadedModel  # its ``model`` unwrapped; ``version`` is the trainer's policy version
     model: torch.nn.Module  # sharded or replicated over the ranks when world > 1, else engine's
     optimizer: torch.optim.Optimizer
     ref: torch.nn.Module | None  # the frozen reference (kl_coef > 0), else None
@@ -69,11 +69,11 @@ class Trainer:
 _TRAINER: dict[str, Trainer] = {}  # model path -> this process's trainer
 
 
-def load_engine(spec: EngineSpec) -> Engine:
+def load_model(spec: EngineSpec) -> LoadedModel:
     """Model (bf16 on CUDA, fp32 on CPU) and tokenizer from a Hugging Face directory."""
     hf = HFBackend(spec.model_path, spec.device, spec.threads, spec.lora)
     hf.load()
-    return Engine(hf.model, hf.tokenizer, 0, hf.load_seconds)
+    return LoadedModel(hf.model, hf.tokenizer, 0, hf.load_seconds)
 
 
 def _ranks(spec: TrainSpec) -> Ranks | None:
@@ -84,16 +84,16 @@ def _trainer(spec: TrainSpec) -> Trainer:
     """This process's trainer for ``spec``'s model, loaded on first use."""
     state = _TRAINER.get(spec.engine.model_path)
     if state is None:
-        engine = load_engine(spec.engine)
+        loaded = load_model(spec.engine)
         params = spec.update
-        ref = copy.deepcopy(engine.model).eval() if params.kl_coef > 0 else None
+        ref = copy.deepcopy(loaded.model).eval() if params.kl_coef > 0 else None
         if spec.gradient_checkpointing:
-            enable_checkpointing(engine.model)
+            enable_checkpointing(loaded.model)
         ranks = _ranks(spec)
-        model = engine.model if ranks is None else wrap_model(engine.model, ranks)
+        model = loaded.model if ranks is None else wrap_model(loaded.model, ranks)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                       lr=params.lr, weight_decay=0.0)
-        state = Trainer(engine, model, optimizer, ref, engine.load_seconds)
+        state = Trainer(loaded, model, optimizer, ref, loaded.load_seconds)
         _TRAINER[spec.engine.model_path] = state
     return state
 
@@ -123,15 +123,15 @@ def update_task(trainables: list[Generated], weights: WeightsRef, spec: TrainSpe
 
 def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSpec) -> dict:
     state = _trainer(spec)
-    engine = state.engine
-    require_version(engine.version, weights.version, "trainer")
+    loaded = state.loaded
+    require_version(loaded.version, weights.version, "trainer")
     batch = pa.concat_tables([t.table for t in trainables])
-    check_staleness(batch, engine.version, spec.max_staleness, "trainer")
+    check_staleness(batch, loaded.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
-    device = next(engine.model.parameters()).device
+    device = next(loaded.model.parameters()).device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
         metrics = update_policy(state.model, state.optimizer, batch, spec.update,
-                                engine.tokenizer.pad_token_id, ref_model=state.ref,
+                                loaded.tokenizer.pad_token_id, ref_model=state.ref,
                                 ranks=_ranks(spec))
     metrics["update_seconds"] = time.perf_counter() - started
     metrics["trainer_cold_start_s"], state.cold_start_s = state.cold_start_s, 0.0
@@ -146,16 +146,16 @@ def publish_task(metrics: dict, spec: TrainSpec, version: int) -> WeightsRef:
 
 def _publish_rank(spec: TrainSpec, version: int) -> WeightsRef | None:
     state = _trainer(spec)
-    engine = state.engine
+    loaded = state.loaded
     ranks = _ranks(spec)
     if ranks is None:
-        ref = publish_weights(engine.model, spec.store, version, keep=spec.keep_versions)
+        ref = publish_weights(loaded.model, spec.store, version, keep=spec.keep_versions)
     else:
         whole = full_state(state.model, keep=ranks.rank == 0,
-                           names=trainable_names(engine.model))
+                           names=trainable_names(loaded.model))
         ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions)
                if ranks.rank == 0 else None)
-    engine.version = version
+    loaded.version = version
     return ref
 
 
@@ -174,7 +174,7 @@ def start_trainer_task(spec: TrainSpec, seed: int, token: str) -> int:
     state = _trainer(spec)
     _seed_process(seed)
     state.token = token
-    return state.engine.version
+    return state.loaded.version
 
 
 def trainer_token_task(spec: TrainSpec) -> str | None:
@@ -192,7 +192,7 @@ def save_trainer_task(spec: TrainSpec, path: str, token: str) -> dict:
                            "run (it restarted); its state cannot be checkpointed")
     started = time.perf_counter()
     n = write_trainer(path, state.model, state.optimizer, _ranks(spec))
-    return {"version": state.engine.version, "bytes": n, "finite": _finite(state.model),
+    return {"version": state.loaded.version, "bytes": n, "finite": _finite(state.model),
             "seconds": time.perf_counter() - started}
 
 
@@ -207,7 +207,7 @@ def restore_trainer_task(spec: TrainSpec, path: str, token: str) -> int:
     if needed; the frozen reference stays the initial model) and tag it with ``token``;
     returns the restored policy version."""
     state = _trainer(spec)
-    engine = state.engine
-    engine.version = read_trainer(path, state.model, state.optimizer, _ranks(spec))
+    loaded = state.loaded
+    loaded.version = read_trainer(path, state.model, state.optimizer, _ranks(spec))
     state.token = token
-    return engine.version
+    return loaded.version

@@ -1,16 +1,16 @@
 """Elastic, cost-aware generation: the RLHFless policy applied to the generation pool.
 
-Every decision is taken by ``schedulers.policy.ElasticPolicy`` (the object the simulator
+Every decision is taken by ``schedulers.scaling_policy.ScalingPolicy`` (the object the simulator
 calls too); this file applies them to the live pools. Per iteration, driven from the
 driver with Dask futures (the graph is decided as it runs):
 
 1. predict each prompt's response length (EWMA, ``LengthPredictor``);
 2. choose how many generation workers to run and which prompts each gets
-   (``ElasticPolicy.plan``: λ·time + (1-λ)·worker-seconds, from a throughput model
+   (``ScalingPolicy.plan``: λ·time + (1-λ)·worker-seconds, from a throughput model
    fitted online to this run's own timings), grow or retire the pool to that size;
 3. generate each shard in a chunk that pauses at completion fraction τ; for the paused
-   tail ``ElasticPolicy.migrate`` decides: resume it where its KV cache is, or cut it and continue
-   it on other workers; ``ElasticPolicy.kv_path`` decides per move whether its KV cache
+   tail ``ScalingPolicy.migrate`` decides: resume it where its KV cache is, or cut it and continue
+   it on other workers; ``ScalingPolicy.kv_path`` decides per move whether its KV cache
    travels there (exported on the source, fetched worker to worker by the target:
    ``tail_tasks.py``) or its prefix is recomputed there, from the transfer and prefill
    rates fitted to the run's own moves (the emulated backend keeps no KV cache: it
@@ -22,7 +22,7 @@ driver with Dask futures (the graph is decided as it runs):
 Every generation task (a chunk, a resumed or moved tail) declares its predicted work to the
 scheduler (``dask_plugin.generation_work``). In the async modes, where there is no
 iteration barrier, each batch also installs the policy's sizing rule in the scheduler
-(``ElasticPolicy.sizing``): from then on the pool's target follows the queued work
+(``ScalingPolicy.sizing``): from then on the pool's target follows the queued work
 (``ElasticityPlugin``: work that can use more workers than this controller planned, such
 as the unpinned tasks of an evaluation, raises it), and once no worker is busy it is the
 drained queue, not this controller, that releases the pool (same keep-alive, same veto); a
@@ -32,7 +32,7 @@ tails. The rule's target changes are drained into ``decisions.jsonl`` (``kind =
 
 Every decision is a record (time, pool, from → to, reason, predicted vs actual) appended to
 ``decisions.jsonl``; a move's record (path, predicted and actual seconds, bytes) is written
-when its context has reached the target, and its actual seconds feed ``ElasticPolicy.kv``
+when its context has reached the target, and its actual seconds feed ``ScalingPolicy.kv``
 at once (the one observation taken during an iteration, so that its later moves are priced
 with it; the rest of what an iteration measured the driver feeds once, after the update:
 ``after_update`` returns it for ``bookkeeping.observe_iteration``).
@@ -64,7 +64,7 @@ from rlhfless.schedulers.dask.plugin import (
     install_sizing,
 )
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.policy import ElasticPolicy, IterationTimings
+from rlhfless.schedulers.scaling_policy import ScalingPolicy, IterationTimings
 
 from ..cluster.pools import PoolCluster
 from ..config import Config
@@ -122,11 +122,11 @@ class TailMove:
 class ElasticGeneration:
     """Generation of one iteration under the elastic policy; see the module docstring."""
 
-    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, policy: ElasticPolicy,
+    def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, scaling: ScalingPolicy,
                  rest_workers: float | None = None) -> None:
         """``rest_workers``: generation workers' worth billed while the rest of the step runs
         (default: the trainer's workers)."""
-        self.pc, self.cfg, self.run, self.policy = pc, cfg, run, policy
+        self.pc, self.cfg, self.run, self.scaling = pc, cfg, run, scaling
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
         self.kv_moves = cfg.backend == "hf"  # the emulated backend keeps no KV cache
@@ -150,14 +150,14 @@ class ElasticGeneration:
         """Choose the worker count and assignment; grow or retire the pool to match."""
         self.log_queue_targets(iteration)
         if self.queue_sizing:
-            sizing = self.policy.sizing(self.cfg.n_samples, self.cfg.gen_workers,
+            sizing = self.scaling.sizing(self.cfg.n_samples, self.cfg.gen_workers,
                                         self.rest_workers)
             self.pc.client.run_on_scheduler(install_sizing, pool="gen", sizing=sizing)
         ids = prompts.column("prompt_id").to_pylist()
-        pred, pred_max = self.policy.predict(ids)
+        pred, pred_max = self.scaling.predict(ids)
         prompt_tokens = np.array([len(p) for p in prompts.column("prompt_ids").to_pylist()])
         warm = self.pc.worker_names("gen")
-        decision = self.policy.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
+        decision = self.scaling.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
                                     keep_warm=len(warm), max_workers=self.cfg.gen_workers,
                                     rest_workers=self.rest_workers)  # whole-step scoring
         n = decision.n_workers
@@ -183,25 +183,25 @@ class ElasticGeneration:
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
         ids = plan.prompts.column("prompt_id").to_pylist()
-        self.pred_max = dict(zip(ids, self.policy.predict(ids)[1]))
+        self.pred_max = dict(zip(ids, self.scaling.predict(ids)[1]))
         self.load = {w: WorkerProgress(0, 0, busy=False) for w in workers}
         self.pending: dict[int, set] = {}
         self.where: dict[str, tuple[int, str]] = {}  # future key -> (shard, worker)
         self.moving: dict[str, dict] = {}  # key of a move's landing future -> its record
         self.exports: dict[str, list] = {}  # source -> futures of its exported tails
         self.lost: dict[str, TailMove | None] = {}  # a KV move's adopt/continue key -> it
-        if self.kv_moves and self.policy.kv.kv_bytes_per_token is None:  # a prior
-            self.policy.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
+        if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
+            self.scaling.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
         self.ac = as_completed()
         pieces: dict[int, list[Generated]] = {}
         for i, (shard, worker) in enumerate(zip(shards, workers)):
             if len(shard) == 0:
                 continue
             key = task_key("generate", iteration, i)
-            work = self.policy.predict_work(shard.column("prompt_id").to_pylist(), [
+            work = self.scaling.predict_work(shard.column("prompt_id").to_pylist(), [
                 len(p) for p in shard.column("prompt_ids").to_pylist()], self.cfg.n_samples)
             self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
-                         weights, specs.gen, seed, self.policy.knobs.tau, key, key=key,
+                         weights, specs.gen, seed, self.scaling.knobs.tau, key, key=key,
                          work=work)
             pieces[i] = []
         trainables, migrated, released = [], 0, []
@@ -277,17 +277,17 @@ class ElasticGeneration:
 
     def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
                      seed: int, iteration: int) -> int:
-        """Resume a paused tail where it is, or move it: ``ElasticPolicy.migrate`` decides."""
+        """Resume a paused tail where it is, or move it: ``ScalingPolicy.migrate`` decides."""
         cut: pa.Table = out["cut"]
         n_done = len(out["done"])
         partial = cut.column("partial_ids").to_pylist()
         ids = [seq_id(p, s) for p, s in zip(cut.column("prompt_id").to_pylist(),
                                              cut.column("sample_idx").to_pylist())]
         cur = [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
-        rem = self.policy.remaining([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
+        rem = self.scaling.remaining([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
                                     [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
-        moves = [m for m in self.policy.migrate(self.load, kv_transfer=self.kv_moves)
+        moves = [m for m in self.scaling.migrate(self.load, kv_transfer=self.kv_moves)
                  if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
@@ -299,7 +299,7 @@ class ElasticGeneration:
             rows = [row_of[s] for s in move.seq_ids]
             part = cut.take(pa.array(rows, pa.int64()))
             context = int(sum(cur[r] for r in rows))
-            choice = self.policy.kv_path(context)
+            choice = self.scaling.kv_path(context)
             why = move.reason
             if not self.kv_moves:
                 choice = replace(choice, path="recompute")
@@ -388,7 +388,7 @@ class ElasticGeneration:
         actual = move_actual_s(path, facts)
         tokens = record["context_tokens"]
         # a continuation's own prefill reaches the throughput model with its rollouts
-        self.policy.observe_move(path, tokens, facts["bytes"], actual,
+        self.scaling.observe_move(path, tokens, facts["bytes"], actual,
                                  learn_prefill=stage_of(key) == "adopt")
         self.log(iteration, **record, actual_s=actual, bytes=facts["bytes"],
                  landed_sequences=facts["sequences"])
@@ -419,16 +419,16 @@ class ElasticGeneration:
         busy = [p for p in self.load.values() if p.busy]
         if self.queue_sizing and not busy:
             return []
-        gap = self.policy.idle_gap_s(max((self.policy.throughput.predict_worker_seconds(
+        gap = self.scaling.idle_gap_s(max((self.scaling.throughput.predict_worker_seconds(
             np.asarray(p.remaining_tokens), 0) for p in busy), default=0.0))
-        if self.policy.keeps_alive(gap):
+        if self.scaling.keeps_alive(gap):
             return []
         retired = self.pc.retire([worker])
         for name in retired:
             self.load.pop(name, None)
             self.log(iteration, pool="gen", kind="release", worker=name,
                      reason=f"idle gap {gap:.2f} s >= keep-alive "
-                            f"{self.policy.keep_alive_s():.2f} s")
+                            f"{self.scaling.keep_alive_s():.2f} s")
         return retired
 
     def after_update(self, update_seconds: float,

@@ -44,7 +44,7 @@ from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.pipeline.tasks import emulated_backend as emu
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.profiles import Profile, get_profile
 from rlhfless.schedulers.scaling import round_robin
 from rlhfless.schedulers.sim.sim_policy import PAPER_MECHANISMS, PolicyConfig, SimPolicy
@@ -195,15 +195,15 @@ def simulator_policy(cfg: Config) -> PolicyConfig:
         lambda_cost=cfg.lambda_cost, ewma_alpha=cfg.ewma_alpha)
 
 
-def prior_state(cfg: Config, profile: Profile, trace: Trace) -> ElasticPolicy:
+def prior_state(cfg: Config, profile: Profile, trace: Trace) -> ScalingPolicy:
     """The policy's starting models: the throughput prior the simulator derives from
     ``as_live(profile)`` (``SimPolicy``), the length predictor with ``cfg.ewma_alpha``."""
     first = trace.batches[0]
-    policy = SimPolicy(PolicyConfig(ewma_alpha=cfg.ewma_alpha), profile, cfg.gen_workers,
-                       engine_cap(profile, trace), ctx_hint=float(
-                           first.prompt_tokens.mean() + 0.5 * first.lengths.mean()),
-                       max_response_tokens=trace.max_response_tokens)
-    return ElasticPolicy(cfg.elastic_knobs(), policy.elastic.throughput)
+    sim = SimPolicy(PolicyConfig(ewma_alpha=cfg.ewma_alpha), profile, cfg.gen_workers,
+                    engine_cap(profile, trace), ctx_hint=float(
+                        first.prompt_tokens.mean() + 0.5 * first.lengths.mean()),
+                    max_response_tokens=trace.max_response_tokens)
+    return ScalingPolicy(cfg.scaling_knobs(), sim.scaling.throughput)
 
 
 def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, iteration: int,

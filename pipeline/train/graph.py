@@ -42,7 +42,7 @@ from rlhfless.ops.data.shard import split_balanced
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.schedulers.dask.plugin import generation_work
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
 from ..task_keys import task_key
 from ..tasks import trainer as trainer_tasks
@@ -66,12 +66,12 @@ def _shard_plan(plan: PrefixPlan, n_shards: int) -> list[pa.Table]:
     return split_balanced(plan.prompts, n_shards)
 
 
-def shard_work(policy: ElasticPolicy | None, prompts: pa.Table, n_samples: int, n_shards: int):
+def shard_work(scaling: ScalingPolicy | None, prompts: pa.Table, n_samples: int, n_shards: int):
     """``generation_work`` of one of ``n_shards`` shards of ``prompts``: an equal share of
     their predicted work, as one unit (a task is never split); without a policy, none."""
-    if policy is None:
+    if scaling is None:
         return nullcontext()
-    tokens, longest, prompt_tokens = policy.predict_work(
+    tokens, longest, prompt_tokens = scaling.predict_work(
         prompts.column("prompt_id").to_pylist(),
         [len(p) for p in prompts.column("prompt_ids").to_pylist()], n_samples)
     return generation_work([tokens.sum() / n_shards], [longest.max(initial=0.0)],
@@ -81,7 +81,7 @@ def shard_work(policy: ElasticPolicy | None, prompts: pa.Table, n_samples: int, 
 def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                   gen: GenSpec, reward: RewardSpec, *, seed: int, min_prefix: int,
                   tag: str = "", target_version: int | None = None,
-                  policy: ElasticPolicy | None = None,
+                  scaling: ScalingPolicy | None = None,
                   ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """dedup → shard → generate → reward for ``prompts``; returns (plan, shards, scored
     shards). ``seed``: the run's; every shard generates under ``generation_seed(seed,
@@ -97,7 +97,7 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     scored = []
     with dask.annotate(resources={"GEN": 1}):
         for i, shard in enumerate(shards):
-            with shard_work(policy, prompts, gen.n_samples, n_shards):
+            with shard_work(scaling, prompts, gen.n_samples, n_shards):
                 rollouts = delayed(generate_task)(
                     shard, weights, gen, gen_seed, target_version,
                     dask_key_name=task_key("generate", iteration, i, tag=tag))
@@ -109,13 +109,13 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
 def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, *, algorithm: str, seed: int,
                     min_prefix: int, target_version: int | None = None,
-                    policy: ElasticPolicy | None = None,
+                    scaling: ScalingPolicy | None = None,
                     ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """``rollout_graph`` → advantage: returns (plan, shards, one trainable table per
     shard)."""
     plan, shards, scored = rollout_graph(prompts, weights, iteration, n_shards, gen, reward,
                                          seed=seed, min_prefix=min_prefix,
-                                         target_version=target_version, policy=policy)
+                                         target_version=target_version, scaling=scaling)
     with dask.annotate(resources={"GEN": 1}):
         trainables = [
             delayed(advantage_task)(s, algorithm, gen.n_samples,

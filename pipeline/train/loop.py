@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
 from ..cluster.deploy import deployment_from_config
 from ..cluster.pools import PoolCluster, pools_from_config
@@ -100,7 +100,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
     weights = WeightsRef(0, str(model_path))
     ledger = CostLedger(cfg.prices)
-    policy = ElasticPolicy(cfg.elastic_knobs())
+    scaling = ScalingPolicy(cfg.scaling_knobs())
     pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
     deployment = deployment_from_config(cfg, run.path)
     with (PoolCluster(pools, ledger, deployment=deployment) as pc,
@@ -108,10 +108,10 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         if pc.dashboard_link:
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
         supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
-        eg = ElasticGeneration(pc, cfg, run, policy)
+        eg = ElasticGeneration(pc, cfg, run, scaling)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
-        done, weights = durable.start(sampler, policy, weights, ledger, resume=resume)
-        accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
+        done, weights = durable.start(sampler, scaling, weights, ledger, resume=resume)
+        accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
@@ -123,7 +123,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 record, table, weights = runner.step(iteration, weights)
                 durable.check_trainer()
             except Exception as err:  # re-raised unless the trainer was lost
-                done, weights = durable.recover(err, sampler, policy)
+                done, weights = durable.recover(err, sampler, scaling)
                 continue
             record |= account(pc, ledger, iteration, t0)
             run.write_rollouts(iteration, table)
@@ -133,9 +133,9 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
                                                                          cfg.reward_fallback)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
-                accuracy = evaluate(pc, heldout, weights, specs, cfg, policy)
+                accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
                 run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
-            done, weights = durable.after_iteration(iteration, weights, sampler, policy, ledger)
+            done, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                             heldout=f"{accuracy['heldout_accuracy']:.2f}")

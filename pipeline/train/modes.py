@@ -172,7 +172,7 @@ class ModeRunner:
                                  mix="fill" if cfg.overlaps else "replace",
                                  sharing=cfg.replay_share,
                                  max_grad_share=cfg.replay_max_grad_share)
-        self.log_decision, self.policy = eg.log, eg.policy
+        self.log_decision, self.scaling = eg.log, eg.scaling
         self.jobs: dict[int, Job] = {}
         self.expected = self.next = 1  # the next step, and the next batch to generate
         self.consumed = sampler.position  # data position of the batches trained so far
@@ -264,7 +264,7 @@ class ModeRunner:
             plan, parts, tables = trainable_graph(
                 batch, weights, i, self.cfg.gen_workers, self.specs.gen, self.specs.reward,
                 algorithm=self.cfg.algorithm, seed=seed, min_prefix=self.cfg.min_prefix,
-                target_version=target, policy=self.policy)
+                target_version=target, scaling=self.scaling)
             plan, *futures = self.pc.client.compute([plan, *parts, *tables],
                                                     optimize_graph=False)
             shards, trainables = futures[: len(parts)], futures[len(parts):]
@@ -301,7 +301,7 @@ class ModeRunner:
         (prompts it has not seen) broken by the longer prompt."""
         batch = self.sampler.next_batch()
         ids = batch.column("prompt_id").to_pylist()
-        predicted = self.policy.predict(ids)[1]
+        predicted = self.scaling.predict(ids)[1]
         tokens = np.array([len(p) for p in batch.column("prompt_ids").to_pylist()])
         order = np.lexsort((-tokens, -predicted))  # longest first
         replaced, replayed = self.buffer.replace([ids[k] for k in order], n, target)
@@ -347,7 +347,7 @@ class ModeRunner:
                    **job.facts}
         timings = None if self.eg is None else self.eg.after_update(
             update["update_seconds"], [t.stats for t in trainables])
-        record |= observe_iteration(self.policy, fresh, timings)
+        record |= observe_iteration(self.scaling, fresh, timings)
         if self.buffer is not None:
             record |= replay_diagnostics(fresh, job.replayed, weights.version)
             record["replay_share"] = len(job.replayed) / (job.prompts + len(job.replayed))

@@ -26,13 +26,13 @@ departures (scheduler clock) with the worker's name and resources: the cost ledg
 **Queued work.** Every generation task declares its predicted work as a Dask annotation
 (``generation_work``, the one helper every submit site uses: the static graph, the elastic
 controller, the async batches): units never split between workers, each with predicted
-response tokens, longest sequence and prompt tokens (``ElasticPolicy.predict_work``). The
+response tokens, longest sequence and prompt tokens (``ScalingPolicy.predict_work``). The
 ``transition`` hook keeps the annotated tasks that are waiting, queued or processing; a
 task leaving for memory, erred, released or forgotten drops out. Each pool's queue is kept
 as tasks come and go (``QueuedWork``: its units in arrival order, a count of tasks per set of
 pinned workers), never rescanned, so a transition costs the same however long the queue
 (but for an arrival's plan, which reads every queued unit). Once the driver has
-installed a pool's sizing rule (``install_sizing``: ``ElasticPolicy.sizing``, a snapshot of
+installed a pool's sizing rule (``install_sizing``: ``ScalingPolicy.sizing``, a snapshot of
 the policy), the pool's target follows that queue:
 
 * work arriving raises the target to the rule's plan of everything queued, never above the
@@ -63,7 +63,7 @@ import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 if TYPE_CHECKING:
-    from ..policy import PoolSizing
+    from ..scaling_policy import PoolSizing
 
 PLUGIN_NAME = "rlhfless-elasticity"
 WORK = "generation_work"  # the annotation of a generation task's predicted work
@@ -283,7 +283,7 @@ def set_pool_target(dask_scheduler, pool: str, n: int, close: list[str] = ()) ->
 
 def install_sizing(dask_scheduler, pool: str, sizing: PoolSizing) -> None:
     """For ``client.run_on_scheduler``: from now on ``pool``'s target follows its queued
-    work by ``sizing`` (``ElasticPolicy.sizing``)."""
+    work by ``sizing`` (``ScalingPolicy.sizing``)."""
     dask_scheduler.plugins[PLUGIN_NAME].sizing[pool] = sizing
 
 

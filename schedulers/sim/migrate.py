@@ -1,6 +1,6 @@
 """Cut-and-migrate events inside one simulated generation phase.
 
-The live scheduler asks ``ElasticPolicy.migrate`` when a worker pauses between chunks; the
+The live scheduler asks ``ScalingPolicy.migrate`` when a worker pauses between chunks; the
 simulator asks it at the instants that matter: when a worker's live batch falls to the
 policy's ``tail_batch`` (local, RLHFless: the tail trigger), or once when ``tau`` of all
 sequences are done (global, RLHFuse-like). At an event the state of every worker still
@@ -68,7 +68,7 @@ class MigrationEvents:
                 progress = {w: self.progress(w, t)[0] for w in listed}
                 self._apply(t, self.policy.migrate(progress))
             return
-        few = self.policy.elastic.tail_batch()
+        few = self.policy.scaling.tail_batch()
         events = []
         for w in self.names:
             run = self.current[w]

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..migration import Migration, WorkerProgress
-from ..policy import ElasticKnobs, ElasticPolicy
+from ..scaling_policy import ScalingKnobs, ScalingPolicy
 from ..profiles import ENGINES, Profile
 from ..scaling import ScalingDecision
 from ..throughput import ThroughputModel
@@ -53,9 +53,9 @@ CHOICES = {
 
 
 @dataclass(frozen=True)
-class PolicyConfig(ElasticKnobs):
+class PolicyConfig(ScalingKnobs):
     """Which mechanisms a simulated system uses (see the module docstring), over the elastic
-    policy's knobs (``ElasticKnobs``: ``tau``, ``lambda_cost``, ``ewma_alpha``,
+    policy's knobs (``ScalingKnobs``: ``tau``, ``lambda_cost``, ``ewma_alpha``,
     ``keep_alive_s``, ``assignment``, with the live runs' defaults)."""
 
     name: str = "elastic"
@@ -156,7 +156,7 @@ def global_cut(progress: Mapping[str, WorkerProgress], cap: int | None) -> list[
 
 
 class SimPolicy:
-    """The elastic policy (``ElasticPolicy``) under one simulated system's mechanisms: the
+    """The elastic policy (``ScalingPolicy``) under one simulated system's mechanisms: the
     oracle's true lengths, static scaling, a replayed assignment, a global cut."""
 
     def __init__(self, cfg: PolicyConfig, profile: Profile, pool: int, cap: int,
@@ -168,7 +168,7 @@ class SimPolicy:
         self.engine_prefill_rate = profile.prefill_tokens_per_s  # what the simulated engine does
         kv_s = profile.kv_transfer_seconds(1.0)
         # prior: the profile's step model, its context term folded in at a typical context
-        self.elastic = ElasticPolicy(cfg, ThroughputModel(
+        self.scaling = ScalingPolicy(cfg, ThroughputModel(
             step_intercept_s=profile.step_base_s,
             step_slope_s=profile.step_per_seq_s + profile.step_per_ctx_token_s * ctx_hint,
             prefill_tokens_per_s=profile.prefill_tokens_per_s,
@@ -181,7 +181,7 @@ class SimPolicy:
         if self.cfg.oracle:
             lengths = batch.lengths.astype(np.float64)
             return lengths.mean(axis=1), lengths.max(axis=1)
-        return self.elastic.predict(batch.prompt_ids.tolist())
+        return self.scaling.predict(batch.prompt_ids.tolist())
 
     def prefill_per_group(self, batch: Batch) -> np.ndarray:
         """Prompt tokens each group prefills: once (dedup) or once per sample."""
@@ -190,7 +190,7 @@ class SimPolicy:
         return batch.prompt_tokens.astype(np.float64) * batch.n_samples
 
     def plan(self, batch: Batch, keep_warm: int, rest_workers: float = 0.0) -> ScalingDecision:
-        """This iteration's worker count and assignment (``ElasticPolicy.plan``); with
+        """This iteration's worker count and assignment (``ScalingPolicy.plan``); with
         ``score_step`` the rest of the step (the policy's seconds after generation, billed at
         ``rest_workers`` generation workers) is scored too."""
         mean, mx = self._pred = self.predictions(batch)
@@ -209,7 +209,7 @@ class SimPolicy:
         else:
             hi = min(self.pool, batch.n_groups)
             lo = hi if cfg.scaling == "static" else 1
-        return self.elastic.plan(
+        return self.scaling.plan(
             mean, mx, batch.n_samples, self.prefill_per_group(batch), keep_warm=keep_warm,
             max_workers=hi, min_workers=lo, assign=assign,
             rest_workers=rest_workers if cfg.score_step else None)
@@ -217,15 +217,15 @@ class SimPolicy:
     def remaining(self, group: np.ndarray, generated: np.ndarray,
                   true_remaining: np.ndarray) -> np.ndarray:
         """Predicted tokens still to decode for unfinished sequences: the truth (oracle), or
-        ``ElasticPolicy.remaining`` (conditioned on what each has generated)."""
+        ``ScalingPolicy.remaining`` (conditioned on what each has generated)."""
         if self.cfg.oracle or self._pred is None:
             return true_remaining.astype(np.float64)
-        return self.elastic.remaining(self._pred[1][group], generated,
+        return self.scaling.remaining(self._pred[1][group], generated,
                                       self.max_response_tokens)
 
     def migrate(self, progress: Mapping[str, WorkerProgress]) -> list[Migration]:
         if self.cfg.migration == "local":
-            return self.elastic.migrate(progress)
+            return self.scaling.migrate(progress)
         if self.cfg.migration == "global":
             return global_cut(progress, self.cap)
         return []
@@ -235,7 +235,7 @@ class SimPolicy:
         the record is ``LengthPredictor.error``), update the predictor, feed the step
         timings and prefill rates of the simulated workers (``WorkerRun``s) to the
         throughput model and the seconds after generation to the policy."""
-        error = self.elastic.observe_lengths(np.repeat(batch.prompt_ids, batch.n_samples)
+        error = self.scaling.observe_lengths(np.repeat(batch.prompt_ids, batch.n_samples)
                                              .tolist(), batch.lengths.ravel())
         if self._pred is not None:  # score what planning used (the truth, for the oracle)
             actual = batch.lengths.mean(axis=1)
@@ -244,9 +244,9 @@ class SimPolicy:
         for run in runs:
             b, s, k = run.chunks()
             if b.size:
-                self.elastic.observe_decode(b, s, k)
+                self.scaling.observe_decode(b, s, k)
             tokens = float(run.prefill.sum())
             if tokens > 0:
-                self.elastic.observe_prefill(tokens, tokens / self.engine_prefill_rate)
-        self.elastic.observe_after_generation(after_generation_s)
+                self.scaling.observe_prefill(tokens, tokens / self.engine_prefill_rate)
+        self.scaling.observe_after_generation(after_generation_s)
         return error

@@ -16,7 +16,7 @@ once and stops it at the end of the run (serverful: colocated, the learner share
 GPUs); ``per_use`` billing starts workers when needed (their cold start billed) and stops
 them when released. A released worker stays alive through its predicted idle gap (from the
 scaling decision's predicted time and the policy's seconds after generation) when the policy
-keeps it (``ElasticPolicy.keeps_alive``: the gap is at most ``keep_alive_s``, or with
+keeps it (``ScalingPolicy.keeps_alive``: the gap is at most ``keep_alive_s``, or with
 ``keep_alive_s < 0`` at most a wake from host memory), else it is released at once.
 
 Times are simulated seconds from the run's start. The simulator is deterministic: the
@@ -269,7 +269,7 @@ class Simulator:
     def _expiry(self, t: float, idle_gap_s: float, restart_s: float) -> float:
         """Until when a worker released at ``t`` stays awake (billed): reserved billing
         keeps it; else the policy keeps it through ``idle_gap_s`` or releases it now."""
-        if self.reserved or self.policy.elastic.keeps_alive(idle_gap_s, restart_s):
+        if self.reserved or self.policy.scaling.keeps_alive(idle_gap_s, restart_s):
             return math.inf
         return t
 
@@ -337,7 +337,7 @@ class Simulator:
         for name, f in finish.items():
             # idle until the planned end of generation, then through the reward and update
             self.gen.awake[name] = (f, self._expiry(
-                f, self.policy.elastic.idle_gap_s(gen_planned_end - f), prof.gen_wake_s))
+                f, self.policy.scaling.idle_gap_s(gen_planned_end - f), prof.gen_wake_s))
         all_runs = mig.all_runs()
         self.busy.extend((r.t0, r.t_finish, r.gpus) for r in all_runs if r.n_steps)
         self.busy.append((update_start, update_end, self.train_gpus))

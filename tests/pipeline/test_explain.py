@@ -21,7 +21,7 @@ from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.config import Config, load_config
 from rlhfless.pipeline.explain import examples, field_comments, key_meanings
 from rlhfless.pipeline.train.inputs import check_inputs
-from rlhfless.schedulers.policy import ElasticKnobs
+from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 EXAMPLES = ("gsm8k", "multi-turn", "slurm", "tiny")
 SMALL = ["iterations=1", "batch_prompts=4", "n_samples=2", "max_new_tokens=4",
@@ -46,7 +46,7 @@ def test_config_lists_every_field_with_its_default_and_meaning(tmp_path):
     assert tomllib.loads(out.stdout).keys() == Config().to_dict().keys()
     assert load_config(listed) == Config()
     assert "temperature = 1.0" in out.stdout  # a knob's meaning is the one beside its field
-    assert key_meanings()["tau"] == field_comments(ElasticKnobs)["tau"]
+    assert key_meanings()["tau"] == field_comments(ScalingKnobs)["tau"]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from rlhfless.schedulers.dask.plugin import (
     install_sizing,
 )
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingKnobs, ScalingPolicy
 from rlhfless.schedulers.throughput import ThroughputModel
 
 N_SAMPLES = 4
@@ -155,11 +155,11 @@ def test_queued_generation_work_grows_and_drains_the_pool(cluster):
     with no call from the driver; once they are done the queue has drained, the idle gap
     (10 s of update) exceeds the keep-alive (a 1 s cold start) and the pool is released.
     The last test of the module's cluster: it leaves no generation worker."""
-    policy = ElasticPolicy(ElasticKnobs(), ThroughputModel(step_slope_s=0.01, cold_start_s=1.0))
-    policy.update_seconds = 10.0
+    scaling = ScalingPolicy(ScalingKnobs(), ThroughputModel(step_slope_s=0.01, cold_start_s=1.0))
+    scaling.update_seconds = 10.0
     c = cluster.client
     before = cluster.worker_names("gen")
-    c.run_on_scheduler(install_sizing, pool="gen", sizing=policy.sizing(4, 3))
+    c.run_on_scheduler(install_sizing, pool="gen", sizing=scaling.sizing(4, 3))
     try:
         futures = []
         for i in range(3):

@@ -43,13 +43,13 @@ from rlhfless.pipeline.train.elastic import ElasticGeneration
 from rlhfless.pipeline.train.loop import train
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.migration import Migration
-from rlhfless.schedulers.policy import ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.tail_cost import TransferModel
 
 N_SAMPLES, MAX_NEW = 3, 24
 
 
-class MovingPolicy(ElasticPolicy):
+class MovingPolicy(ScalingPolicy):
     """The elastic policy, except that every paused tail moves to another worker (the
     planner's own choices are tested in tests/schedulers; here the runtime's moves are)."""
 
@@ -91,7 +91,7 @@ def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=Elastic
     specs = dataclasses.replace(specs, gen=dataclasses.replace(
         specs.gen, sampling=SamplingParams(MAX_NEW, temperature=1.0)))
     weights = WeightsRef(0, str(model_dir))
-    policy = policy_type(cfg.elastic_knobs(), transfer=TransferModel(
+    scaling = policy_type(cfg.scaling_knobs(), transfer=TransferModel(
         prior_latency_s=0.0, prior_bytes_per_s=1e12))
     from transformers import AutoTokenizer
 
@@ -109,7 +109,7 @@ def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=Elastic
                          generation_seed(0, 1), 1.0, "whole",
                          workers=[addrs[0]], pure=False).result()
         assert len(whole["cut"]) == 0
-        eg = generation(pc, cfg, run, policy)
+        eg = generation(pc, cfg, run, scaling)
         _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
         tables = c.gather(trainables)
     got = _pairs(Generated.concat(tables).table)
@@ -118,11 +118,11 @@ def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=Elastic
     for pair, (ids, lps) in reference.items():
         assert got[pair][0] == ids, pair  # token for token
         assert max((abs(x - y) for x, y in zip(got[pair][1], lps)), default=0.0) < 1e-5
-    return run, facts, policy, cfg
+    return run, facts, scaling, cfg
 
 
 def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
-    run, facts, policy, cfg = _iteration(eos_model_dir, tmp_path)
+    run, facts, scaling, cfg = _iteration(eos_model_dir, tmp_path)
     moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
     assert moves and facts["migrated_sequences"] == sum(m["sequences"] for m in moves)
     for move in moves:
@@ -132,11 +132,11 @@ def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir
         assert move["predicted_s"] == move["predicted_transfer_s"] < move["predicted_recompute_s"]
     # learned from the moves: the bytes per token of float64 caches (and the logits that
     # travel with them; the prior assumed fp32), and the transfer fit
-    assert policy.kv.kv_bytes_per_token > 2 * kv_bytes_per_token(str(eos_model_dir))
-    assert len(policy.kv.transfer.state_dict()["observations"]) == len(moves)
-    restored = ElasticPolicy(cfg.elastic_knobs())
-    restored.load_state_dict(policy.state_dict())
-    assert restored.kv.state_dict() == policy.kv.state_dict()
+    assert scaling.kv.kv_bytes_per_token > 2 * kv_bytes_per_token(str(eos_model_dir))
+    assert len(scaling.kv.transfer.state_dict()["observations"]) == len(moves)
+    restored = ScalingPolicy(cfg.scaling_knobs())
+    restored.load_state_dict(scaling.state_dict())
+    assert restored.kv.state_dict() == scaling.kv.state_dict()
     run.release()
 
 

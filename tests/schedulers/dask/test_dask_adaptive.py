@@ -26,7 +26,7 @@ from rlhfless.schedulers.dask.plugin import (
     generation_work,
     pool_of,
 )
-from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy
+from rlhfless.schedulers.scaling_policy import ScalingKnobs, ScalingPolicy
 from rlhfless.schedulers.throughput import ThroughputModel
 
 
@@ -184,10 +184,10 @@ def _sizing(keep_alive_s: float = -1.0, max_workers: int = 4):
     """A policy whose decode steps slow down a lot with the batch (so that spreading a
     batch pays), with a 1 s cold start and 10 s after generation (an idle gap longer than
     the break-even keep-alive)."""
-    policy = ElasticPolicy(ElasticKnobs(keep_alive_s=keep_alive_s),
+    scaling = ScalingPolicy(ScalingKnobs(keep_alive_s=keep_alive_s),
                            ThroughputModel(step_slope_s=0.01, cold_start_s=1.0))
-    policy.update_seconds = 10.0
-    return policy.sizing(n_samples=4, max_workers=max_workers)
+    scaling.update_seconds = 10.0
+    return scaling.sizing(n_samples=4, max_workers=max_workers)
 
 
 def _arrive(s: FakeScheduler, plugin: ElasticityPlugin, key: str, groups: int,

@@ -9,21 +9,21 @@ import pytest
 
 from rlhfless.pipeline.config import Config, ConfigError, load_config
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.policy import ElasticKnobs, ElasticPolicy, IterationTimings
+from rlhfless.schedulers.scaling_policy import ScalingKnobs, ScalingPolicy, IterationTimings
 from rlhfless.schedulers.scaling import choose_generation_workers
 from rlhfless.schedulers.sim.sim_policy import ELASTIC, PolicyConfig
 from rlhfless.schedulers.throughput import ThroughputModel
 
-KNOB_NAMES = [f.name for f in dataclasses.fields(ElasticKnobs)]
+KNOB_NAMES = [f.name for f in dataclasses.fields(ScalingKnobs)]
 
 
 def test_live_and_simulated_runs_share_the_knobs_and_their_defaults():
     cfg = Config()
-    assert cfg.elastic_knobs() == ElasticKnobs()
-    assert ELASTIC.knobs() == ElasticKnobs()  # the simulator's policy, the same defaults
-    assert issubclass(PolicyConfig, ElasticKnobs)
+    assert cfg.scaling_knobs() == ScalingKnobs()
+    assert ELASTIC.knobs() == ScalingKnobs()  # the simulator's policy, the same defaults
+    assert issubclass(PolicyConfig, ScalingKnobs)
     changed = load_config(None, ["tau=0.55", "ewma_alpha=0.25", "keep_alive_s=3"])
-    knobs = changed.elastic_knobs()
+    knobs = changed.scaling_knobs()
     assert (knobs.tau, knobs.ewma_alpha, knobs.keep_alive_s) == (0.55, 0.25, 3.0)
     # a simulation of this run's policy takes the run configuration's knobs
     sim = ELASTIC.replace(**dataclasses.asdict(knobs))
@@ -46,39 +46,39 @@ def _model() -> ThroughputModel:
 
 
 def test_keep_alive_is_break_even_with_a_restart_unless_set():
-    policy = ElasticPolicy(ElasticKnobs(), _model())
+    scaling = ScalingPolicy(ScalingKnobs(), _model())
     # no step measured yet: the rest of the step is taken as long as the planned generation
-    assert policy.idle_gap_s(1.5) == 1.5 and policy.keeps_alive(policy.idle_gap_s(1.5))
+    assert scaling.idle_gap_s(1.5) == 1.5 and scaling.keeps_alive(scaling.idle_gap_s(1.5))
     mean = np.full(16, 200.0)
-    planned = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=1, max_workers=1)
-    assert policy.idle_gap_s(1.5) == pytest.approx(1.5 + planned.predicted_seconds)
-    policy.observe_after_generation(3.0)
-    assert policy.idle_gap_s(1.5) == 4.5 and policy.idle_gap_s(-2.0) == 3.0
-    assert policy.keep_alive_s() == 5.0  # the throughput model's cold start
-    assert policy.keep_alive_s(restart_s=2.0) == 2.0  # e.g. a wake from host memory
-    assert policy.keeps_alive(4.9) and not policy.keeps_alive(5.0)
-    fixed = ElasticPolicy(ElasticKnobs(keep_alive_s=0.0), _model())
+    planned = scaling.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=1, max_workers=1)
+    assert scaling.idle_gap_s(1.5) == pytest.approx(1.5 + planned.predicted_seconds)
+    scaling.observe_after_generation(3.0)
+    assert scaling.idle_gap_s(1.5) == 4.5 and scaling.idle_gap_s(-2.0) == 3.0
+    assert scaling.keep_alive_s() == 5.0  # the throughput model's cold start
+    assert scaling.keep_alive_s(restart_s=2.0) == 2.0  # e.g. a wake from host memory
+    assert scaling.keeps_alive(4.9) and not scaling.keeps_alive(5.0)
+    fixed = ScalingPolicy(ScalingKnobs(keep_alive_s=0.0), _model())
     assert not fixed.keeps_alive(0.0)  # keep-alive 0: released as soon as idle
-    long = ElasticPolicy(ElasticKnobs(keep_alive_s=60.0), _model())
+    long = ScalingPolicy(ScalingKnobs(keep_alive_s=60.0), _model())
     assert long.keeps_alive(long.idle_gap_s(10.0))  # a set keep-alive needs no measurement
 
 
 def test_after_generation_seconds_are_an_ewma_of_alpha():
-    policy = ElasticPolicy(ElasticKnobs(ewma_alpha=0.5), _model())
-    policy.observe_after_generation(4.0)  # the first observation is taken whole
-    policy.observe_after_generation(2.0)
-    assert policy.update_seconds == pytest.approx(3.0)
+    scaling = ScalingPolicy(ScalingKnobs(ewma_alpha=0.5), _model())
+    scaling.observe_after_generation(4.0)  # the first observation is taken whole
+    scaling.observe_after_generation(2.0)
+    assert scaling.update_seconds == pytest.approx(3.0)
 
 
 def test_plan_honours_bounds_and_lambda():
-    policy = ElasticPolicy(ElasticKnobs(lambda_cost=1.0), _model())
+    scaling = ScalingPolicy(ScalingKnobs(lambda_cost=1.0), _model())
     mean = np.full(16, 200.0)
-    fast = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=8, max_workers=8)
+    fast = scaling.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=8, max_workers=8)
     assert fast.n_workers > 1 and len(fast.assignment) == fast.n_workers
-    cheap = ElasticPolicy(ElasticKnobs(lambda_cost=0.0), _model()).plan(
+    cheap = ScalingPolicy(ScalingKnobs(lambda_cost=0.0), _model()).plan(
         mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=8)
     assert cheap.n_workers < fast.n_workers
-    pinned = policy.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=3,
+    pinned = scaling.plan(mean, mean, 4, np.full(16, 30.0), keep_warm=0, max_workers=3,
                          min_workers=3)
     assert pinned.n_workers == 3
 
@@ -86,19 +86,19 @@ def test_plan_honours_bounds_and_lambda():
 def test_plan_scores_the_rest_of_the_step_billed_at_rest_workers():
     """One rule for live runs and the simulator: the rest of the step is the policy's own
     ``update_seconds``, billed at ``rest_workers`` generation workers' worth."""
-    policy = ElasticPolicy(ElasticKnobs(lambda_cost=0.5), _model())
+    scaling = ScalingPolicy(ScalingKnobs(lambda_cost=0.5), _model())
     mean, prompts = np.full(16, 200.0), np.full(16, 30.0)
-    policy.observe_after_generation(50.0)
-    alone = policy.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8)
-    expected = choose_generation_workers(mean, 4, policy.throughput, max_workers=8,
+    scaling.observe_after_generation(50.0)
+    alone = scaling.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8)
+    expected = choose_generation_workers(mean, 4, scaling.throughput, max_workers=8,
                                          lambda_cost=0.5,
                                          keep_warm=8, pred_max_lengths=mean,
                                          prompt_tokens=prompts, fixed_seconds=50.0,
                                          fixed_cost_ws=50.0 * 8)
-    rest = policy.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8, rest_workers=8)
+    rest = scaling.plan(mean, mean, 4, prompts, keep_warm=8, max_workers=8, rest_workers=8)
     assert rest.n_workers == expected.n_workers
     np.testing.assert_allclose(rest.score, expected.score)
-    unscored = choose_generation_workers(mean, 4, policy.throughput, max_workers=8,
+    unscored = choose_generation_workers(mean, 4, scaling.throughput, max_workers=8,
                                          lambda_cost=0.5,
                                          keep_warm=8, pred_max_lengths=mean,
                                          prompt_tokens=prompts)
@@ -114,11 +114,11 @@ def test_migrate_moves_a_paused_tail_not_a_completion_count():
 
     model = ThroughputModel(step_intercept_s=0.02, step_slope_s=0.005,
                             prefill_tokens_per_s=1e4, cold_start_s=5.0, max_batch=64)
-    policy = ElasticPolicy(ElasticKnobs(tau=0.8, lambda_cost=1.0), model)
-    assert policy.tail_batch() == pytest.approx(2.0)  # 0.02 / (2 * 0.005)
-    assert policy.migrate(progress(95, 3)) == []  # 97 % done, but 3 live > tail batch 2
-    assert policy.migrate(progress(1, 2, busy=True)) == []  # running a chunk: not cut
-    moves = policy.migrate(progress(1, 2))  # 33 % done, a tail of 2: it spreads out, faster
+    scaling = ScalingPolicy(ScalingKnobs(tau=0.8, lambda_cost=1.0), model)
+    assert scaling.tail_batch() == pytest.approx(2.0)  # 0.02 / (2 * 0.005)
+    assert scaling.migrate(progress(95, 3)) == []  # 97 % done, but 3 live > tail batch 2
+    assert scaling.migrate(progress(1, 2, busy=True)) == []  # running a chunk: not cut
+    moves = scaling.migrate(progress(1, 2))  # 33 % done, a tail of 2: it spreads out, faster
     assert moves and {m.source for m in moves} == {"a"}
     assert {m.target for m in moves} <= {"b", "c", "d"}
     assert all(m.move_seconds < m.stay_seconds for m in moves)
@@ -137,13 +137,13 @@ def test_one_call_per_iteration_feeds_every_model():
     ids, lengths = ["p1", "p1", "p2"], [10, 14, 30]
     shards = [Shard(160, 10, 0.4, 300, 0.03), Shard()]  # the second never decoded
     timings = IterationTimings(2.5, shards, [4.0, 6.0])
-    once = ElasticPolicy(ElasticKnobs(), _model())
+    once = ScalingPolicy(ScalingKnobs(), _model())
     error = once.observe_iteration(ids, lengths, timings)
     assert error["n_unseen"] == 2  # scored before the predictor learned these prompts
     assert once.update_seconds == 2.5 and once.seen_cold_starts == 2
     # the same as each model fed by hand: mean batch 16 over 10 steps of 0.04 s, 300 prompt
     # tokens in 0.03 s, two cold starts; the empty shard adds nothing
-    by_hand = ElasticPolicy(ElasticKnobs(), _model())
+    by_hand = ScalingPolicy(ScalingKnobs(), _model())
     by_hand.observe_after_generation(2.5)
     by_hand.observe_decode(16.0, 0.04, n_steps=10)
     by_hand.observe_prefill(300, 0.03)
@@ -152,21 +152,21 @@ def test_one_call_per_iteration_feeds_every_model():
     assert once.throughput.to_record() == by_hand.throughput.to_record()
     assert once.throughput.to_record() != _model().to_record()
     np.testing.assert_allclose(once.predict(ids), by_hand.predict(ids))
-    static = ElasticPolicy(ElasticKnobs(), _model())  # a static pool: lengths only
+    static = ScalingPolicy(ScalingKnobs(), _model())  # a static pool: lengths only
     static.observe_iteration(ids, lengths)
     assert static.update_seconds == 0 and static.throughput.to_record() == _model().to_record()
     np.testing.assert_allclose(static.predict(ids), once.predict(ids))
 
 
 def test_state_dict_round_trips_what_the_policy_learned():
-    policy = ElasticPolicy(ElasticKnobs(), _model())
-    policy.observe_lengths(["p1", "p1", "p2"], [10, 14, 30])
-    policy.observe_decode([8.0, 16.0], [0.03, 0.04], [10, 10])
-    policy.observe_after_generation(2.5)
-    policy.observe_cold_starts([4.0, 6.0])
-    fresh = ElasticPolicy(ElasticKnobs(), _model())  # the same priors
-    fresh.load_state_dict(policy.state_dict())
+    scaling = ScalingPolicy(ScalingKnobs(), _model())
+    scaling.observe_lengths(["p1", "p1", "p2"], [10, 14, 30])
+    scaling.observe_decode([8.0, 16.0], [0.03, 0.04], [10, 10])
+    scaling.observe_after_generation(2.5)
+    scaling.observe_cold_starts([4.0, 6.0])
+    fresh = ScalingPolicy(ScalingKnobs(), _model())  # the same priors
+    fresh.load_state_dict(scaling.state_dict())
     assert fresh.update_seconds == 2.5
     np.testing.assert_allclose(fresh.predict(["p1", "p2", "new"]),
-                               policy.predict(["p1", "p2", "new"]))
-    assert fresh.throughput.to_record() == policy.throughput.to_record()
+                               scaling.predict(["p1", "p2", "new"]))
+    assert fresh.throughput.to_record() == scaling.throughput.to_record()

@@ -1,8 +1,9 @@
-"""The elastic policy: one pure object that the live runtime and the simulator both call.
+"""The scaling policy (``policy = "elastic"``): one pure object that the live runtime and the simulator
+both call. "Scaling policy" is the scheduler's; "policy" alone, in this project, is the RL model.
 
-``ElasticKnobs`` declares the policy's knobs once (the run configuration builds them with
-``Config.elastic_knobs``; the simulator's ``PolicyConfig`` extends them with which mechanisms
-a simulated system uses). ``ElasticPolicy`` holds what the policy learns across iterations
+``ScalingKnobs`` declares the policy's knobs once (the run configuration builds them with
+``Config.scaling_knobs``; the simulator's ``PolicyConfig`` extends them with which mechanisms
+a simulated system uses). ``ScalingPolicy`` holds what the policy learns across iterations
 (the length predictor, the throughput model, the seconds that follow generation) and makes
 every decision the elastic pool takes; it knows nothing of Dask, of workers' processes or of
 simulated clocks. Call order, per iteration:
@@ -76,7 +77,7 @@ class IterationTimings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ElasticKnobs:
+class ScalingKnobs:
     """The elastic policy's knobs, with the defaults of live runs and simulations alike."""
 
     lambda_cost: float = 0.5  # 1: fastest worker count, 0: cheapest (worker-seconds)
@@ -97,16 +98,16 @@ class ElasticKnobs:
             if not ok:
                 raise ValueError(f"{key} = {getattr(self, key)!r}; allowed: {allowed}")
 
-    def knobs(self) -> ElasticKnobs:
+    def knobs(self) -> ScalingKnobs:
         """Only the knobs (of a subclass that adds more fields)."""
-        return ElasticKnobs(**{f.name: getattr(self, f.name)
-                               for f in dataclasses.fields(ElasticKnobs)})
+        return ScalingKnobs(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(ScalingKnobs)})
 
 
-class ElasticPolicy:
+class ScalingPolicy:
     """Decisions and learned state of the elastic policy; see the module docstring."""
 
-    def __init__(self, knobs: ElasticKnobs, throughput: ThroughputModel | None = None,
+    def __init__(self, knobs: ScalingKnobs, throughput: ThroughputModel | None = None,
                  kv_seconds_per_token: float | None = None,
                  transfer: TransferModel | None = None) -> None:
         self.knobs = knobs.knobs()
@@ -213,7 +214,7 @@ class ElasticPolicy:
         """The rule that sizes the pool from queued work, for the scheduler: a picklable
         snapshot of what ``plan`` and ``keeps_alive`` read (not the predictor: the queued
         work carries its predictions)."""
-        snapshot = ElasticPolicy(self.knobs, copy.deepcopy(self.throughput))
+        snapshot = ScalingPolicy(self.knobs, copy.deepcopy(self.throughput))
         snapshot.update_seconds = self.update_seconds
         snapshot.planned_generation_s = self.planned_generation_s
         return PoolSizing(snapshot, n_samples, max_workers, rest_workers)
@@ -285,32 +286,32 @@ class ElasticPolicy:
 
 @dataclass(frozen=True)
 class PoolSizing:
-    """How many workers the queued generation work wants: ``ElasticPolicy.plan`` of it,
-    ``keeps_alive`` when none is queued. Made by ``ElasticPolicy.sizing``; pure (but for
+    """How many workers the queued generation work wants: ``ScalingPolicy.plan`` of it,
+    ``keeps_alive`` when none is queued. Made by ``ScalingPolicy.sizing``; pure (but for
     the snapshot's own ``planned_generation_s``) and picklable, so that it runs inside the
     scheduler (``ElasticityPlugin``)."""
 
-    policy: ElasticPolicy  # a snapshot: throughput model, knobs, seconds after generation
+    scaling: ScalingPolicy  # a snapshot: throughput model, knobs, seconds after generation
     n_samples: int  # samples per prompt group
     max_workers: int  # the pool's maximum
-    rest_workers: float | None = None  # see ElasticPolicy.plan
+    rest_workers: float | None = None  # see ScalingPolicy.plan
 
     def target(self, tokens: ArrayLike, longest: ArrayLike, prompt_tokens: ArrayLike, *,
                current: int, held: int = 0, room: int | None = None) -> tuple[int, str]:
-        """(workers, reason) for the queued units (``ElasticPolicy.predict_work``'s
+        """(workers, reason) for the queued units (``ScalingPolicy.predict_work``'s
         arrays); ``current``: workers in the pool (warm); ``held``: workers the queued work
         is pinned to (never fewer); ``room``: the most workers it can use (pinned workers
         plus tasks free to go anywhere; None: no bound). Nothing queued: the pool is kept
         through the predicted idle gap if that is shorter than the keep-alive, else
         released down to ``held``."""
         tokens = np.asarray(tokens, dtype=np.float64)
-        policy = self.policy
+        scaling = self.scaling
         if not tokens.size:
-            gap, keep = policy.idle_gap_s(0.0), policy.keep_alive_s()
-            if policy.keeps_alive(gap):
+            gap, keep = scaling.idle_gap_s(0.0), scaling.keep_alive_s()
+            if scaling.keeps_alive(gap):
                 return current, f"queue drained; idle gap {gap:.2f} s < keep-alive {keep:.2f} s"
             return held, f"queue drained; idle gap {gap:.2f} s >= keep-alive {keep:.2f} s"
-        decision = policy.plan(tokens / self.n_samples, np.asarray(longest, np.float64),
+        decision = scaling.plan(tokens / self.n_samples, np.asarray(longest, np.float64),
                                self.n_samples, np.asarray(prompt_tokens, np.float64),
                                keep_warm=current, max_workers=self.max_workers,
                                rest_workers=self.rest_workers)
