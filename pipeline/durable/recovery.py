@@ -229,8 +229,15 @@ class Durable:
         self.token = uuid.uuid4().hex
         self.recoveries = 0
         self.totals_before: dict[str, float] = {}  # ledger totals of earlier sessions
-        self.tables: dict[str, pa.Table] = {}  # restored driver tables (a replay buffer)
+        self.restored_tables: dict[str, pa.Table] = {}  # the last restored checkpoint's
+        self.collect_tables: Callable[[], dict[str, pa.Table]] = dict  # see ``track``
         self.members: list[str] = []  # addresses of the ranks, when spec.world > 1
+
+    def track(self, state_dict: Callable[[], dict[str, pa.Table]]) -> None:
+        """Save ``state_dict()``'s tables (a component's own checkpoint state: the mode
+        runner's) with every checkpoint from now on; a restore leaves them, for that
+        component to load, in ``restored_tables``."""
+        self.collect_tables = state_dict
 
     # ---- the trainer ---------------------------------------------------------------------
 
@@ -295,7 +302,7 @@ class Durable:
             iteration=iteration, policy_version=weights.version,
             sampler_position=sampler.position, **state.state_dict(),
             ledger_totals=totals, model_path=self.model_path, data_digest=self.digest,
-            finite=all(p["finite"] for p in parts), tables=self.tables))
+            finite=all(p["finite"] for p in parts), tables=self.collect_tables()))
         path = ckpt.commit(tmp)
         ckpt.prune(self.root, self.cfg.keep_checkpoints)
         self.run.append_metrics({"event": "checkpoint", "iteration": iteration,
@@ -323,7 +330,7 @@ class Durable:
         sampler.position = driver.sampler_position
         state.load_state_dict({"predictor": driver.predictor, "throughput": driver.throughput,
                                "update_seconds": driver.update_seconds, "kv": driver.kv})
-        self.tables = driver.tables
+        self.restored_tables = driver.tables
         trim_run(self.run, driver.iteration, drop_eval_at)
         return driver.iteration, weights
 

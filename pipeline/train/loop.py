@@ -115,6 +115,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
+        durable.track(runner.state_dict)
         said_reward_errors = False
         while done < cfg.iterations:
             say_stalls(run, pc, log)

@@ -79,14 +79,14 @@ sample on the trainer before the step (``update_task``) and here again, and reco
 Update j is submitted by step j and by nothing earlier, so between steps the trainer holds
 exactly the version the loop reports: checkpoints and trainer checks see a settled trainer.
 
-Checkpoint state: after every step the runner leaves its state in ``durable.tables`` (saved
-with each checkpoint): ``mode_state`` (one row: ``sampler_position``, the data position of
+Checkpoint state: the runner's ``state_dict`` (which ``Durable`` saves with each checkpoint,
+``Durable.track``) holds ``mode_state`` (one row: ``sampler_position``, the data position of
 the batches consumed so far, ``iteration``, and the share policy's smoothed seconds
 ``share_gen_s``, ``share_update_s`` and ``share_informative``, null before a
 measurement) and, in replay mode, the buffer's
 ``replay_rows`` and ``replay_groups`` (``ReplayBuffer.state_dict``). When the loop goes back
 to a checkpoint (resume, recovery), the next ``step`` sees the jump, drops the batches in
-flight and restores from ``durable.tables``; batches generated ahead are drawn again.
+flight and loads the restored tables (``load_state_dict``); batches generated ahead are drawn again.
 """
 
 from __future__ import annotations
@@ -227,14 +227,8 @@ class ModeRunner:
             tables |= self.buffer.state_dict()
         return tables
 
-    # ---- producer ----------------------------------------------------------------------
-
-    def _restart(self, iteration: int) -> None:
-        """Back to the state in ``durable.tables`` (a restored checkpoint's), at
-        ``iteration``."""
-        self.close()
-        self.expected = self.next = iteration
-        tables = self.durable.tables if self.durable is not None else {}
+    def load_state_dict(self, tables: dict[str, pa.Table]) -> None:
+        """Back to ``state_dict``'s tables (none: the run's start)."""
         if "mode_state" in tables:
             state = tables["mode_state"]
             self.sampler.position = int(state.column("sampler_position")[0])
@@ -246,6 +240,15 @@ class ModeRunner:
         self.buffer = self._new_buffer()
         if self.buffer is not None and "replay_groups" in tables:
             self.buffer.load_state_dict(tables)
+
+    # ---- producer ----------------------------------------------------------------------
+
+    def _restart(self, iteration: int) -> None:
+        """Back to the restored checkpoint's state (``Durable.restored_tables``), at
+        ``iteration``."""
+        self.close()
+        self.expected = self.next = iteration
+        self.load_state_dict(self.durable.restored_tables if self.durable is not None else {})
 
     def _generate_until(self, last: int, weights: WeightsRef, iteration: int) -> None:
         """Start the batches up to ``last`` with ``weights``, the trainer's version at
@@ -357,7 +360,5 @@ class ModeRunner:
             self.buffer.add(fresh)
             record["replay_buffer_groups"] = len(self.buffer)
         self.expected, self.consumed = job.iteration + 1, job.position
-        if self.durable is not None:
-            self.durable.tables = {**self.durable.tables, **self.state_dict()}
         return record, fresh, new_weights
 
