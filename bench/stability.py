@@ -1,0 +1,97 @@
+"""Stability over seeds: seeds x modes x a horizon, one invocation.
+
+Each run trains the embedded tiny model with every key at its default except ``mode``,
+``seed`` and ``iterations`` (and ``--set`` overrides, for ablations), evaluating the held-out
+prompts every ``--eval-every`` iterations. Per run it prints the held-out curve, its peak, its
+end, the largest drop from a peak (``max_drop``), the response length's growth (mean length
+of the last iteration over the first) and whether the run collapsed: it ends more than
+``--collapse-drop`` (0.1) below its peak. Per mode: the collapse rate, the final held-out
+accuracy's mean and standard deviation over seeds, and samples/s (samples trained per second
+of training, mean and standard deviation).
+
+Runs go seed-major (every mode of seed 0, then of seed 1, ...), so a drift in the machine's
+load weighs on every mode alike. Prints one JSON line.
+
+    python bench/stability.py [--seeds 0,1,2,3,4] [--modes sync,async,replay,async+replay]
+                              [--iterations 80] [--eval-every 5] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from statistics import mean, pstdev
+
+from rlhfless.pipeline.config import load_config
+from rlhfless.pipeline.train.loop import train
+
+
+def curve_facts(curve: list[tuple[int, float]], collapse_drop: float) -> dict:
+    """Peak, end, the largest drop from a running peak, and the collapse verdict."""
+    peak = run_peak = float("-inf")
+    drop = 0.0
+    for _, acc in curve:
+        run_peak = max(run_peak, acc)
+        drop = max(drop, run_peak - acc)
+        peak = max(peak, acc)
+    end = curve[-1][1]
+    return {"peak": peak, "end": end, "max_drop": drop, "collapsed": peak - end > collapse_drop}
+
+
+def one_run(cfg, collapse_drop: float) -> dict:
+    run = train(cfg, progress=False, log=lambda _line: None)
+    records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    iters = [r for r in records if r.get("event") == "iteration"]
+    curve = [(r["iteration"], r["heldout_accuracy"]) for r in records
+             if "heldout_accuracy" in r]
+    lengths = [r["response_len_mean"] for r in iters if "response_len_mean" in r]
+    samples = sum(r.get("samples", 0) for r in iters)
+    seconds = iters[-1]["time"] - iters[0]["time"] + iters[0].get("iteration_s", 0.0)
+    return {"mode": cfg.mode, "seed": cfg.seed, "curve": curve,
+            **curve_facts(curve, collapse_drop),
+            "length_growth": lengths[-1] / lengths[0] if lengths and lengths[0] else None,
+            "samples_per_s": samples / seconds if seconds > 0 else None}
+
+
+def summarise(runs: list[dict]) -> dict:
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        ends = [r["end"] for r in mine]
+        rates = [r["samples_per_s"] for r in mine if r["samples_per_s"]]
+        out[mode] = {"runs": len(mine), "collapse_rate": mean(r["collapsed"] for r in mine),
+                     "end_mean": mean(ends), "end_std": pstdev(ends),
+                     "peak_mean": mean(r["peak"] for r in mine),
+                     "samples_per_s_mean": mean(rates) if rates else None,
+                     "samples_per_s_std": pstdev(rates) if rates else None}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--modes", default="sync,async,replay,async+replay")
+    ap.add_argument("--iterations", type=int, default=80)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--collapse-drop", type=float, default=0.1)
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="a config override for every run (ablations)")
+    args = ap.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="rlhfless-stability-") as tmp:
+        base = load_config(overrides=[f"runs_dir={tmp}", f"iterations={args.iterations}",
+                                      f"eval_every={args.eval_every}", *args.overrides])
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for mode in args.modes.split(","):
+                cfg = replace(base, name=f"{mode}-{seed}", mode=mode, seed=seed)
+                runs.append(one_run(cfg, args.collapse_drop))
+    print(json.dumps({"iterations": args.iterations, "overrides": args.overrides,
+                      "load_avg": os.getloadavg(), "modes": summarise(runs), "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
