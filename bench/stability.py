@@ -7,7 +7,9 @@ end, the largest drop from a peak (``max_drop``), the response length's growth (
 of the last iteration over the first) and whether the run collapsed: it ends more than
 ``--collapse-drop`` (0.1) below its peak. Per mode: the collapse rate, the final held-out
 accuracy's mean and standard deviation over seeds, and samples/s (samples trained per second
-of training, mean and standard deviation).
+from the first iteration's start to the last one's end, mean and standard deviation; the
+held-out evaluations in between are included, so compare modes at the same ``--eval-every``,
+and use ``bench/modes.py`` for throughput alone).
 
 Runs go seed-major (every mode of seed 0, then of seed 1, ...), so a drift in the machine's
 load weighs on every mode alike. Prints one JSON line.
