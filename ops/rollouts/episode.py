@@ -24,7 +24,8 @@ conversation again, which ``bench/multiturn.py`` compares against (same tokens i
 
 Limits: ``max_turns`` (then ``finish_reason = "turns"``), ``max_turn_tokens`` and
 ``max_episode_tokens`` (generated + observation tokens after the prompt; a turn cut short
-without EOS, or an observation that would not fit, ends the episode with "length"), and
+without EOS, or an observation that would not fit, ends the episode with "length", unless
+``step_cut_turns``: then a turn cut at ``max_turn_tokens`` goes to ``step`` as it is), and
 ``step_timeout_s`` per environment call. Every environment call (construction, ``reset``,
 ``step``, ``close``) runs on a thread of the process's environment pool (``ENV_THREADS``
 threads, reused across shards; a thread started and ended per episode once hung a
@@ -46,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..data.records import record_fields
 from ..data.schema import EPISODES, SCORED
 from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.generate import (
@@ -62,7 +64,6 @@ from ..engine.generate import (
 )
 from ..engine.kv_transfer import row_kv
 from ..engine.seeds import subkeys
-from ..data.records import record_fields
 from .env import Environment, check_observation, check_step
 from .resolve import resolve_environment
 from .reward import describe_error
@@ -80,6 +81,7 @@ class EpisodeParams:
     max_episode_tokens: int = 192
     step_timeout_s: float = 10.0
     keep_kv: bool = True  # False: re-prefill the conversation every turn (the baseline)
+    step_cut_turns: bool = False  # True: a turn cut at max_turn_tokens still goes to step
 
     def __post_init__(self) -> None:
         for key in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
@@ -324,7 +326,8 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
         for row in rows.tolist():
             seq = int(d.live[row])
             ep, turn = live[seq], d.tokens[seq]
-            if turn[-1] != eos or len(ep.ids) + len(turn) >= params.max_episode_tokens:
+            if len(ep.ids) + len(turn) >= params.max_episode_tokens or (
+                    turn[-1] != eos and not params.step_cut_turns):
                 continue  # cut short: the episode ends at "length", no step
             text = tokenizer.decode(turn, skip_special_tokens=True)
             steps.append(_env_call(ep, ep.env.step, text))
