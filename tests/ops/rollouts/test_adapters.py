@@ -85,7 +85,7 @@ def test_skyrl_gym_env_steps_as_the_library_does(tokenizer):
     assert text == "<|user|>Try again.\n<|assistant|>"  # the tiny chat template's turn
 
 
-def test_skyrl_gym_episodes_through_the_rollout_loop(model64, turn_tokenizer, tokenizer):
+def test_skyrl_gym_episodes_through_the_rollout_loop(model64, turn_tokenizer):  # noqa: F811
     skyrl = library("skyrl_gym")
     source = [{"prompt": text, "answer": "2", "extra_info": {"max_turns": 3}}
               for text in TEXTS[1:3]]
@@ -112,7 +112,7 @@ def test_skyrl_gym_episodes_through_the_rollout_loop(model64, turn_tokenizer, to
     assert observed > 0  # some episode went past its first turn
 
 
-def test_textarena_game_scores_and_final_reward_at_close(model64, turn_tokenizer):
+def test_textarena_game_scores_and_final_reward_at_close():
     library("textarena")
     make = resolve_environment("textarena:GuessTheNumber-v0")
     env = make()
@@ -166,14 +166,13 @@ def test_textarena_episodes_replay_in_the_library(long_model, tokenizer):
     table, _ = play(long_model, tok, prompts, env="textarena:GuessTheNumber-v0",
                     n=2, max_turns=3, max_turn_tokens=16, max_episode_tokens=1000,
                     step_cut_turns=True)
-    turn_tokenizer = tok
     assert table.column("env_error").null_count == len(table), table.column("env_error")
     seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
     for row in table.to_pylist():
         own = ta.make("GuessTheNumber-v0")
         own.reset(num_players=1, seed=seeds[row["prompt_id"]])
         done = False
-        for turn in turns_of(row, turn_tokenizer)[:len(row["turn_rewards"])]:
+        for turn in turns_of(row, tok)[:len(row["turn_rewards"])]:
             done, _ = own.step(turn)
         rewards, _ = own.close()
         final = rewards[0] if rewards else 0.0  # the game's score, whoever ended it
