@@ -188,6 +188,11 @@ def _observe(ep: _Episode, observation: str | list[dict] | None, tokenizer,
             if isinstance(observation, list) and observation else observation)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
     if len(ep.ids) + len(ids) >= params.max_episode_tokens:
+        if not ep.ids:  # the first observation: the model would never get a turn
+            ep.fail("reset", ValueError(
+                f"the first observation is {len(ids)} tokens, not under max_episode_tokens "
+                f"= {params.max_episode_tokens}"))
+            return
         ep.finish = "length"
         return
     ep.append(ids, None)
