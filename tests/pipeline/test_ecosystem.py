@@ -16,11 +16,13 @@ A library that is not installed skips its test, unless ``RLHFLESS_REQUIRE_ECOSYS
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from test_adapters import library, runs
 from test_hostile_inputs import one_line_error, snapshot
+from transformers import AutoTokenizer
 
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.train.loop import train
@@ -62,7 +64,6 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
     run = train(cfg, progress=False, log=lambda *_: None)
     rows = rollouts(run.path)
     assert len(rows) == cfg.batch_prompts * cfg.n_samples
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     stepped = 0
     for row in rows:
@@ -83,7 +84,7 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
 def workdir(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hostile_env.py").write_text(
-        (__import__("pathlib").Path(__file__).parent / "hostile_env.py").read_text())
+        (Path(__file__).parent / "hostile_env.py").read_text())
     return tmp_path
 
 
@@ -134,8 +135,9 @@ def test_prompt_and_budget_over_the_context_is_refused_before_the_cluster(workdi
 
 def test_every_episode_failing_stops_the_run_with_the_environment_error(workdir, capsys,
                                                                         tiny_model_dir):
-    err = one_line_error(capsys, train_argv("environment='hostile_env:NeedsColour'",
-                                            "env_kwargs={colour='blue'}", "max_turn_tokens=8",
-                                            "max_episode_tokens=16", model=tiny_model_dir))
+    err = one_line_error(capsys, [*train_argv("environment='hostile_env:NeedsColour'",
+                                              "env_kwargs={colour='blue'}", "max_turn_tokens=8",
+                                              "max_episode_tokens=16", model=tiny_model_dir),
+                                  "--no-progress"])
     assert "every episode of the batch failed in its environment (8 of 8)" in err, err
     assert "reset: KeyError" in err and "no such colour 'blue'" in err, err
