@@ -107,6 +107,8 @@ def train_argv(*sets: str, model=None) -> list[str]:
     (["environment='textarena:NoGame-v0'"], "textarena has no game 'NoGame-v0'"),
     (["environment='tally-tool'", "env_kwargs={colour='red'}"],
      "cannot be built with env_kwargs = {'colour': 'red'}: TypeError"),
+    (["environment='textarena:GuessTheNumber-v0'", "env_kwargs={max_number='x', colour=1}"],
+     "cannot be built with env_kwargs = {'max_number': 'x', 'colour': 1}: TypeError"),
     (["dataset='reasoning-gym:nosuch'"], "reasoning-gym has no task 'nosuch'"),
     (["rewards={tally='nosuch_mod:fn'}"], "does not import (ModuleNotFoundError"),
 ])

@@ -1,8 +1,9 @@
 """Single-player TextArena games, unchanged: ``environment = "textarena:<env id>"``.
 
-Per episode: ``textarena.make(env_id, **env_kwargs)`` (the id's own wrappers included),
-``reset(num_players=1, seed=...)`` with the row's ``seed`` if it has one, else the episode's
-``episode_seed``; the game's observation is appended as a user message through the model's
+Per episode: ``textarena.make(env_id, **env_kwargs)`` when the environment is built (the
+id's own wrappers included; a keyword the game does not take fails there, in the driver's
+check before the run starts), ``reset(num_players=1, seed=...)`` with the row's ``seed`` if
+it has one, else the episode's ``episode_seed``; the game's observation is appended as a user message through the model's
 chat template. Each turn goes to ``step(turn)``; the game's observation text grows by what
 happened since (TextArena's observation wrappers return the whole history), and only that
 new part is appended. The game scores at its end: when ``step`` says done, ``close()``'s
@@ -32,13 +33,13 @@ class TextArenaEnv(Environment):
         if env_id not in ENV_REGISTRY:
             raise ValueError(f"textarena has no game {env_id!r}; e.g. GuessTheNumber-v0, "
                              "Wordle-v0, Hangman-v0 (textarena.envs.registration.ENV_REGISTRY)")
-        self.env_id, self.env_kwargs = env_id, env_kwargs
-        self.env, self.seen, self.closed = None, "", False
+        self.env = self.ta.make(env_id, **env_kwargs)  # env_kwargs it does not take: here
+        self.seen, self.closed, self.started = "", False, False
 
     def reset(self, row: dict) -> list[dict]:
         seed = row.get("seed")
         seed = int(seed) if isinstance(seed, int) else int(row["episode_seed"])
-        self.env = self.ta.make(self.env_id, **self.env_kwargs)
+        self.started = True
         with _RESET_LOCK:
             self.env.reset(num_players=1, seed=seed)
         return self._observation()
@@ -58,7 +59,7 @@ class TextArenaEnv(Environment):
 
     def _final_reward(self) -> float | None:
         """Player 0's reward from ``close()`` (once), or None if the game set none."""
-        if self.closed or self.env is None:
+        if self.closed or not self.started:
             return None
         self.closed = True
         rewards, _ = self.env.close()
