@@ -4,11 +4,12 @@ Per episode: ``textarena.make(env_id, **env_kwargs)`` when the environment is bu
 id's own wrappers included; a keyword the game does not take fails there, in the driver's
 check before the run starts), ``reset(num_players=1, seed=...)`` with the row's ``seed`` if
 it has one, else the episode's ``episode_seed``; the game's observation is appended as a
-user message through the model's chat template. Each turn goes to ``step(turn)``; the
-game's observation text grows by what happened since (TextArena's observation wrappers
-return the whole history), and only that new part is appended. The game scores at its end: when ``step`` says done, ``close()``'s
-reward for player 0 is that turn's reward; when our ``max_turns`` or a token limit ends the
-episode first, ``close()``'s reward, if the game has set one, is the episode's final reward.
+user message through the model's chat template. Each turn goes to ``step(turn)``; the game's
+observation text grows by what happened since (TextArena's observation wrappers return the
+whole history), and only that new part is appended. The game scores at its end: when
+``step`` says done, ``close()``'s reward for player 0 is that turn's reward; when our
+``max_turns`` or a token limit ends the episode first, ``close()``'s reward, if the game has
+set one, is the episode's final reward.
 
 TextArena seeds Python's global ``random`` in ``reset`` and draws the game from it right
 after; resets are therefore serialised by one lock, so that episodes on parallel
