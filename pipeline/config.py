@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
+from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.env import BUILTIN_ENVIRONMENTS
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
@@ -70,7 +71,8 @@ class Config:
     nonfinite_policy: str = "stop"  # a NaN/inf loss: "stop" the run or "skip" that batch
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
-    dataset: str = ""  # prompts for RL (.jsonl/.json/.parquet); empty: the tiny task's
+    dataset: str = ""  # RL prompts: .jsonl/.json/.parquet, "reasoning-gym:<task>"; "": tiny
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning-gym: size, seed, cfg
     heldout: str = ""  # prompts for evaluation; empty: a split of dataset (or the tiny task's)
     heldout_prompts: int = 256  # evaluate on at most N held-out prompts
     eval_every: int = 5  # iterations between held-out evaluations (and after the last)
@@ -80,12 +82,14 @@ class Config:
     require_answers: bool = True  # a prompt without ground truth is a bad row
     task: str = "tally"  # model = "tiny": tally, tally-tool (multi-turn) or tally-long
     # multi-turn rollouts (ops/rollouts/episode.py): on when environment is set (or task needs one)
-    environment: str = ""  # "python", "tally-tool" or "module:Class"; empty: single-turn
+    # "python", "tally-tool", "skyrl-gym:<id>", "textarena:<env id>" or "module:Class"
+    environment: str = ""  # the multi-turn environment (see above); empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
     max_turns: int = 4  # model turns per episode
     max_turn_tokens: int = 64  # tokens the model generates per turn
     max_episode_tokens: int = 192  # generated + observation tokens after the prompt
     env_step_timeout_s: float = 10.0  # per environment call; over it ends the episode
+    step_cut_turns: bool = False  # a turn cut at max_turn_tokens goes to the environment too
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     batch_prompts: int = 32  # prompts per iteration
@@ -99,7 +103,7 @@ class Config:
     epochs: int = 1  # optimizer steps per batch
     micro_batch_tokens: int = 8192  # tokens per forward/backward micro-batch
     max_grad_norm: float = 1.0  # gradient clipping norm
-    rewards: dict[str, str] = field(  # data_source -> "math", "exact" or "module:function"
+    rewards: dict[str, str] = field(  # data_source -> math, exact, reasoning-gym:<task>, mod:fn
         default_factory=lambda: {"tally": "exact"})
     default_reward: str = "math"  # the verifier of a data_source not in rewards
     reward_timeout_s: float = 5.0  # per reward call; over it gets reward_fallback
@@ -253,7 +257,11 @@ class Config:
         if self.environment and ":" not in self.environment \
                 and self.environment not in BUILTIN_ENVIRONMENTS:
             raise ConfigError(f"environment = {self.environment!r}: use one of "
-                              f"{sorted(BUILTIN_ENVIRONMENTS)} or 'package.module:Class'")
+                              f"{sorted(BUILTIN_ENVIRONMENTS)}, 'skyrl-gym:<id>', "
+                              "'textarena:<env id>' or 'package.module:Class'")
+        if self.dataset_kwargs and not dataset_task(self.dataset):
+            raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
+                              "'reasoning-gym:<task>', not a file; remove it")
         if self.backend == "vllm" and self.episode_environment:
             raise ConfigError("multi-turn rollouts (environment) run on backend = 'hf': the "
                               "episode loop keeps each turn's KV cache in our decode loop")
@@ -289,6 +297,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def dataset_task(dataset: str) -> str:
+    """The reasoning-gym task of ``dataset = "reasoning-gym:<task>"`` ("" for a file)."""
+    adapter = adapter_of(dataset, DATASET_ADAPTERS)
+    return adapter[1] if adapter else ""
 
 
 def check_mode(cfg: Config) -> None:

@@ -22,11 +22,12 @@ from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.load import LoadResult, read_prompts
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
+from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.episode import EpisodeParams
 from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
 from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, dataset_task
 from .durable.runs import RunDir
 from .tasks.engines import EngineSpec
 from .tasks.rollout import GenSpec
@@ -71,7 +72,7 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
                     episodes=episodes),
         eval=GenSpec(gen_engine, 1, SamplingParams(cfg.max_new_tokens, greedy=True),
                      cfg.share_prefixes, episodes=episodes),
-        reward=RewardSpec(dict(cfg.rewards), cfg.default_reward, cfg.reward_timeout_s,
+        reward=RewardSpec(run_rewards(cfg), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
                         update, str(run.weights), world=cfg.train_workers,
@@ -80,12 +81,37 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     )
 
 
+def run_rewards(cfg: Config) -> dict[str, str]:
+    """``rewards``, with a ``"reasoning-gym:<task>"`` dataset's own scorer for its rows
+    (their ``data_source`` is the same name) unless ``rewards`` routes them elsewhere."""
+    rewards = dict(cfg.rewards)
+    if dataset_task(cfg.dataset):
+        source = f"reasoning-gym:{dataset_task(cfg.dataset)}"
+        rewards.setdefault(source, source)
+    return rewards
+
+
+def dataset_source(cfg: Config, model_path: Path) -> str | Path | pa.Table:
+    """What ``read_prompts`` reads for ``dataset``: the file, the rows drawn from a
+    reasoning-gym task (``dataset_kwargs``: size, seed and its config), or the tiny task's."""
+    task = dataset_task(cfg.dataset)
+    if task:
+        try:
+            reasoning_gym.check_task(task)
+            return pa.Table.from_pylist(reasoning_gym.task_records(task, **cfg.dataset_kwargs))
+        except (ValueError, TypeError, AssertionError) as err:  # no package, task, config key
+            raise ConfigError(f"dataset = {cfg.dataset!r}: {' '.join(str(err).split())}"
+                              ) from None
+    return cfg.dataset or task_prompts(cfg, model_path, "train")
+
+
 def episode_params(cfg: Config) -> EpisodeParams | None:
     """Multi-turn rollouts' settings, or None for single-turn generation."""
     if not cfg.episode_environment:
         return None
     return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
-                         cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s)
+                         cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s,
+                         step_cut_turns=cfg.step_cut_turns)
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,
@@ -98,8 +124,7 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = _read_prompt_set("dataset", cfg.dataset or task_prompts(cfg, model_path, "train"),
-                             tokenizer, kw)
+    train = _read_prompt_set("dataset", dataset_source(cfg, model_path), tokenizer, kw)
     source = f"dataset {cfg.dataset or 'of the tiny task'}"
     if len(train.table) == 0:
         raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "

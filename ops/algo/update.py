@@ -138,6 +138,23 @@ def loss_masks(trainable: pa.Table) -> list[list[int]] | None:
     return masks
 
 
+class EpisodesFailed(ValueError):
+    """Every episode of a batch failed in its environment: nothing to train on. The message
+    quotes the first environment error (a misspelt ``env_kwargs`` key, a first observation
+    over the token budget ...), which is the user's to fix."""
+
+
+def _raise_if_every_episode_failed(trainable: pa.Table) -> None:
+    if "env_error" not in trainable.column_names or not len(trainable):
+        return
+    finish = trainable.column("finish_reason").to_pylist()
+    errors = trainable.column("env_error").to_pylist()
+    if all(f == "error" for f in finish):
+        first = next((e for e in errors if e), "no error recorded")
+        raise EpisodesFailed(f"every episode of the batch failed in its environment "
+                             f"({len(finish)} of {len(finish)}); the first: {first}")
+
+
 def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                   params: UpdateParams, pad_id: int, ref_model=None,
                   ranks: Ranks | None = None) -> dict:
@@ -162,6 +179,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     masks = loss_masks(trainable)
     keep = [i for i, r in enumerate(responses) if r]
     n_tokens = sum(sum(masks[i]) for i in keep) if masks else sum(len(responses[i]) for i in keep)
+    _raise_if_every_episode_failed(trainable)
     if n_tokens == 0:
         raise ValueError("update_policy: the batch has no response tokens")
     if ranks is not None:  # this rank's groups; the loss still divides by the batch's tokens

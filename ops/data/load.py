@@ -1,7 +1,7 @@
 """Load stage: read a prompt dataset into a ``schema.PROMPTS`` table.
 
     source (.parquet | .jsonl | .json | pyarrow.Table | datasets.Dataset)
-        --read_prompts-->  prompts (prompt_id, prompt_ids, answer, data_source)
+        --read_prompts-->  prompts (prompt_id, prompt_ids, answer, data_source, record)
 
 Reading the source and parsing each record (the formats accepted, where the answer and
 ``prompt_id`` come from, what makes a bad record) is ``ops/data/records.py``; this module renders,
@@ -227,6 +227,7 @@ def _to_table(rows: list[tuple[Prompt, list[int]]], name: str) -> pa.Table:
             "prompt_ids": pa.array([ids for _, ids in rows], pa.list_(pa.int32())),
             "answer": pa.array([p.answer for p, _ in rows], pa.string()),
             "data_source": pa.array([p.data_source for p, _ in rows], pa.string()),
+            "record": pa.array([p.record for p, _ in rows], pa.string()),  # the whole record
         }
     )
     return schema.conform(table, schema.PROMPTS, f"load {name}")

@@ -19,6 +19,10 @@ with ``<stem>`` the file name without suffix (``table``/``dataset`` for in-memor
 and ``<i>`` the 0-based position of the record, bad records included, so an id does not
 change with ``on_bad_row``.
 
+The whole record travels with its prompt: ``record`` is the record as JSON text (every field,
+nested ones as they are; values JSON cannot hold, such as dates, as their ``str``), which the
+reward stage and multi-turn environments read back as a dict (``record_fields``).
+
 A bad record makes ``parse_record`` raise ``BadRow``: a JSONL line that is not UTF-8 or not
 JSON, a record that is not an object, a ``prompt`` that is missing, blank or not well-formed
 chat messages, a ground truth, ``data_source`` or id of the wrong type, no ground truth when
@@ -74,6 +78,7 @@ class Prompt:
     text: str  # what is encoded: the prompt, or its chat-template rendering
     answer: str | None
     data_source: str | None
+    record: str  # the whole record as JSON text
 
 
 # -- sources ----------------------------------------------------------------------------
@@ -206,7 +211,16 @@ def parse_record(
     text = render(prompt, record.where)
     for key, value in zip(UNICODE_KEYS, (text, answer, data_source, prompt_id), strict=True):
         _require_unicode(value, key)
-    return Prompt(record.where, prompt_id, id_from, text, answer, data_source)
+    return Prompt(record.where, prompt_id, id_from, text, answer, data_source,
+                  json.dumps(row, default=str))
+
+
+def record_fields(row: dict) -> dict:
+    """The fields of a table row's source record (its ``record`` column, decoded), under the
+    row's own columns; a row without ``record`` is returned as it is."""
+    text = row.get("record")
+    fields = json.loads(text) if isinstance(text, str) else {}
+    return fields | {k: v for k, v in row.items() if k != "record"}
 
 
 def _parse_prompt(row: dict) -> str | list[dict]:

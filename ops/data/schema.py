@@ -67,7 +67,9 @@ EPISODES = pa.schema(
     [
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("turns", pa.int32(), nullable=False),
-        pa.field("env_reward", pa.float64(), nullable=False),  # sum of the steps' rewards
+        # sum of the steps' rewards and close()'s final reward
+        pa.field("env_reward", pa.float64(), nullable=False),
+        pa.field("turn_rewards", pa.list_(pa.float64()), nullable=False),  # each step's
         pa.field("env_error", pa.string()),  # null when every environment call succeeded
         pa.field("env_seconds", pa.float64(), nullable=False),  # inside environment calls
     ]

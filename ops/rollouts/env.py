@@ -8,13 +8,13 @@ have it. ``ops/rollouts/episode.py`` drives it; see ``Environment`` for the call
 style (``ops/rollouts/tools.py``); a turn with tool calls gets their results as the observation, a
 turn without one is the final answer, scored by a verifier against the row's ``answer``.
 Built in: ``"python"`` (``PythonToolEnv``: a sandboxed ``python`` tool) and ``"tally-tool"``
-(the embedded multi-turn task, ``ops/toy/tinytool.py``). A user environment is named like a user
-reward, ``"package.module:Class"``, and built with the ``env_kwargs`` of the configuration.
+(the embedded multi-turn task, ``ops/toy/tinytool.py``). How a configured name becomes an
+environment (built-ins, the libraries' adapters, ``"package.module:Class"``) is
+``ops/rollouts/resolve.py``.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import shutil
@@ -32,9 +32,14 @@ BUILTIN_ENVIRONMENTS = {
 }
 
 
+Message = dict  # a chat message {"role": str, "content": str}
+
+
 @dataclass(frozen=True)
 class StepResult:
-    observation: str  # text appended after the model's turn (ignored when done)
+    # appended after the model's turn (ignored when done): text as it is, or chat messages
+    # rendered once through the model's chat template (episode.render_messages)
+    observation: str | list[Message]
     reward: float  # this step's contribution to the episode's reward
     done: bool
 
@@ -45,16 +50,22 @@ class Environment(ABC):
     the episode with a recorded error)::
 
         env = EnvClass(**env_kwargs)       one instance per episode
-        text = env.reset(row)              row: the prompt row as a dict (prompt_id, answer,
-                                           data_source, ... and prompt_text); text (or None)
-                                           is appended after the prompt as an observation
+        obs = env.reset(row)               row: the prompt row as a dict: every column of the
+                                           dataset record (nested ones as they are), plus
+                                           prompt_id, answer, data_source, sample_idx,
+                                           prompt_text and episode_seed (an int fixed by the
+                                           run's seed, the prompt and the sample); obs (text,
+                                           chat messages or None) is appended after the prompt
         until done or a limit (max turns, tokens per turn / per episode):
             the model generates one turn (up to EOS)
             result = env.step(turn_text)   StepResult(observation, reward, done)
             the observation is tokenized once and appended (masked out of the loss)
-        env.close()                        always, after the last step, an error or a limit
+        final = env.close()                always, after the last step, an error or a limit;
+                                           a number returned is a final reward
 
-    The episode's reward is the sum of its steps' rewards."""
+    The episode's reward is the sum of its steps' rewards and the final reward; each step's
+    reward is kept too (``turn_rewards``). A class with ``reset`` and ``step`` of these
+    signatures works without subclassing this one (``close`` is then optional)."""
 
     @abstractmethod
     def reset(self, row: dict) -> str | None:
@@ -64,8 +75,10 @@ class Environment(ABC):
     def step(self, turn: str) -> StepResult:
         """React to the model's turn (its text, as generated)."""
 
-    def close(self) -> None:  # noqa: B027 (optional hook)
-        """Release what the episode held (sandboxes, connections)."""
+    def close(self) -> float | None:  # noqa: B027 (optional hook)
+        """Release what the episode held (sandboxes, connections); a number returned is
+        added to the episode's reward (a game scored only at its end)."""
+        return None
 
 
 def check_step(result: object) -> StepResult:
@@ -75,8 +88,7 @@ def check_step(result: object) -> StepResult:
         result = StepResult(*result)
     if not isinstance(result, StepResult):
         raise TypeError(f"step returned {type(result).__name__}, expected StepResult")
-    if not isinstance(result.observation, str):
-        raise TypeError(f"step observation is {type(result.observation).__name__}, not str")
+    check_observation(result.observation, "step")
     if not isinstance(result.reward, numbers.Real) or not math.isfinite(float(result.reward)):
         raise TypeError(f"step reward {result.reward!r} is not a finite number")
     if not isinstance(result.done, bool):
@@ -84,17 +96,17 @@ def check_step(result: object) -> StepResult:
     return result
 
 
-def resolve_environment(name: str) -> type[Environment]:
-    """A built-in environment by name, or a user class given as ``"module:Class"``."""
-    target = BUILTIN_ENVIRONMENTS.get(name, name)
-    module, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)} "
-                         "or 'module:Class'")
-    cls = getattr(importlib.import_module(module), attr)
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"environment {name!r} is not a subclass of ops.rollouts.env.Environment")
-    return cls
+def check_observation(observation: object, where: str) -> None:
+    """``TypeError`` unless ``observation`` is text or a list of chat messages; ``where``
+    names the call ("step", "reset")."""
+    if isinstance(observation, str):
+        return
+    if isinstance(observation, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in observation):
+        return
+    raise TypeError(f"{where} returned {type(observation).__name__} as the observation, "
+                    "expected str or a list of chat messages {'role': str, 'content': str}")
 
 
 class ToolEnvironment(Environment):

@@ -9,7 +9,12 @@ loop collects the steps, appends each observation and starts the next round.
 
 Token ids are never re-tokenized: a trajectory is each turn's ids as sampled, EOS included,
 and each observation's ids as ``tokenizer(observation)`` gave them, concatenated in order
-(``response_ids``), with ``loss_mask`` 1 on generated and 0 on observation tokens.
+(``response_ids``), with ``loss_mask`` 1 on generated and 0 on observation tokens. An
+observation given as chat messages is rendered once through the chat template
+(``render_messages``: what the template adds after a conversation, generation prompt
+included) and appended the same way; the history is never rendered again. Each episode
+keeps its steps' rewards (``turn_rewards``); ``env_reward`` is their sum plus the final
+reward ``close()`` returned, if any.
 
 KV kept across turns (``keep_kv``): when an episode leaves the batch, its rows of the KV
 cache (real positions only) are kept; the next round stacks the kept caches, left-padded to
@@ -19,7 +24,8 @@ conversation again, which ``bench/multiturn.py`` compares against (same tokens i
 
 Limits: ``max_turns`` (then ``finish_reason = "turns"``), ``max_turn_tokens`` and
 ``max_episode_tokens`` (generated + observation tokens after the prompt; a turn cut short
-without EOS, or an observation that would not fit, ends the episode with "length"), and
+without EOS, or an observation that would not fit, ends the episode with "length", unless
+``step_cut_turns``: then a turn cut at ``max_turn_tokens`` goes to ``step`` as it is), and
 ``step_timeout_s`` per environment call. Every environment call (construction, ``reset``,
 ``step``, ``close``) runs on a thread of the process's environment pool (``ENV_THREADS``
 threads, reused across shards; a thread started and ended per episode once hung a
@@ -41,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..data.records import record_fields
 from ..data.schema import EPISODES, SCORED
 from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.generate import (
@@ -57,7 +64,8 @@ from ..engine.generate import (
 )
 from ..engine.kv_transfer import row_kv
 from ..engine.seeds import subkeys
-from .env import Environment, check_step, resolve_environment
+from .env import Environment, check_observation, check_step
+from .resolve import resolve_environment
 from .reward import describe_error
 
 ENV_THREADS = 64  # environment calls in flight at once, per process
@@ -73,6 +81,7 @@ class EpisodeParams:
     max_episode_tokens: int = 192
     step_timeout_s: float = 10.0
     keep_kv: bool = True  # False: re-prefill the conversation every turn (the baseline)
+    step_cut_turns: bool = False  # True: a turn cut at max_turn_tokens still goes to step
 
     def __post_init__(self) -> None:
         for key in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
@@ -95,6 +104,7 @@ class _Episode:
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [1, H, T, D]
     turns: int = 0
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)  # each step's reward, in order
     error: str | None = None
     finish: str | None = None
     env_seconds: float = 0.0
@@ -149,19 +159,40 @@ def _env_call(ep: _Episode, fn, *args) -> _Call:
     return _Call(ep, _ENV_POOL[0].submit(_timed, ep, fn, *args), time.perf_counter())
 
 
-def _open(ep: _Episode, cls: type[Environment], params: EpisodeParams) -> str | None:
-    ep.env = cls(**params.env_kwargs)
-    text = ep.env.reset(dict(ep.row))
-    if text is not None and not isinstance(text, str):
-        raise TypeError(f"reset returned {type(text).__name__}, expected str or None")
-    return text
+def _open(ep: _Episode, make, params: EpisodeParams):
+    ep.env = make(**params.env_kwargs)
+    observation = ep.env.reset(dict(ep.row))
+    if observation is not None:
+        check_observation(observation, "reset")
+    return observation
 
 
-def _observe(ep: _Episode, text: str | None, tokenizer, params: EpisodeParams,
-             stats: EpisodeStats) -> None:
+def render_messages(tokenizer, messages: list[dict]) -> str:
+    """Chat messages as the text the chat template puts after a conversation: the template
+    of ``[a user turn, an assistant turn] + messages`` (with the generation prompt) less that
+    of the first two. Rendered once per observation; the history is never rendered again."""
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(base + messages, tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders a conversation differently once messages "
+                         "follow it; observations cannot be appended as chat messages")
+    return after[len(before):]
+
+
+def _observe(ep: _Episode, observation: str | list[dict] | None, tokenizer,
+             params: EpisodeParams, stats: EpisodeStats) -> None:
     """Append an observation's ids as tokenized, or end the episode if it cannot fit."""
+    text = (render_messages(tokenizer, observation)
+            if isinstance(observation, list) and observation else observation)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
     if len(ep.ids) + len(ids) >= params.max_episode_tokens:
+        if not ep.ids:  # the first observation: the model would never get a turn
+            ep.fail("reset", ValueError(
+                f"the first observation is {len(ids)} tokens, not under max_episode_tokens "
+                f"= {params.max_episode_tokens}"))
+            return
         ep.finish = "length"
         return
     ep.append(ids, None)
@@ -194,19 +225,19 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     trajectory as ``response_ids``) plus ``schema.EPISODES``."""
     stats = stats if stats is not None else GenerationStats()
     est = EpisodeStats()
-    cls = resolve_environment(params.environment)
+    make = resolve_environment(params.environment)
     rows = expand_samples(prompts, n_samples)
     start = time.time()
     prompt_ids = rows.column("prompt_ids").to_pylist()
     if prompt_ids:
         check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-    eps = [_Episode(row | {"prompt_text": text}, ids, key, pending=list(ids))
-           for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts,
-                                          row_keys(sampling.seed, rows).tolist())]
+    keys = row_keys(sampling.seed, rows).tolist()
+    eps = [_Episode(_env_row(row, text, key), ids, key, pending=list(ids))
+           for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts, keys)]
     eos = tokenizer.eos_token_id
     timeout = params.step_timeout_s
-    for call in [_env_call(ep, _open, ep, cls, params) for ep in eps]:
+    for call in [_env_call(ep, _open, ep, make, params) for ep in eps]:
         try:
             _observe(call.ep, call.result(timeout), tokenizer, params, est)
         except BaseException as err:  # user code: recorded, this episode only
@@ -222,16 +253,22 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
                 ep.fail("step", err)
                 continue
             ep.reward += float(result.reward)
+            ep.turn_rewards.append(float(result.reward))
             if result.done:
                 ep.finish = "stop"
             elif ep.turns >= params.max_turns:
                 ep.finish = "turns"
             else:
-                _observe(ep, result.observation, tokenizer, params, est)
+                try:
+                    _observe(ep, result.observation, tokenizer, params, est)
+                except ValueError as err:  # a chat template that cannot append messages
+                    ep.fail("step", err)
         est.env_wait_seconds += time.perf_counter() - waited
-    for call in [_env_call(ep, ep.env.close) for ep in eps if ep.env is not None]:
+    for call in [_env_call(ep, _close, ep.env) for ep in eps if ep.env is not None]:
         try:
-            call.result(timeout)
+            final = call.result(timeout)
+            if final is not None and call.ep.finish != "error":
+                call.ep.reward += _final_reward(final)
         except BaseException as err:
             if call.ep.error is None:  # the episode's result stands; the failure is recorded
                 call.ep.error = f"close: {describe_error(err)}"
@@ -245,6 +282,27 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
                            policy_version=policy_version, worker=worker, start=start,
                            end=time.time())
     return _with_episode_columns(table, eps), est
+
+
+def _env_row(row: dict, prompt_text: str, key: int) -> dict:
+    """What ``reset`` gets: the dataset record's fields under the row's columns, the prompt
+    as text and the episode's seed (its sampling key, which the run's seed, the prompt and
+    the sample fix), below 2**31 so that any library takes it."""
+    return record_fields(row) | {"prompt_text": prompt_text, "episode_seed": key % 2**31}
+
+
+def _close(env) -> object:
+    """``env.close()`` where it has one (a duck-typed environment may not)."""
+    close = getattr(env, "close", None)
+    return close() if callable(close) else None
+
+
+def _final_reward(value: object) -> float:
+    """``close()``'s final reward as a float; ``TypeError`` unless a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+            or not np.isfinite(float(value)):
+        raise TypeError(f"close returned {value!r}, expected None or a finite number")
+    return float(value)
 
 
 def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams,
@@ -273,7 +331,8 @@ def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams
         for row in rows.tolist():
             seq = int(d.live[row])
             ep, turn = live[seq], d.tokens[seq]
-            if turn[-1] != eos or len(ep.ids) + len(turn) >= params.max_episode_tokens:
+            if len(ep.ids) + len(turn) >= params.max_episode_tokens or (
+                    turn[-1] != eos and not params.step_cut_turns):
                 continue  # cut short: the episode ends at "length", no step
             text = tokenizer.decode(turn, skip_special_tokens=True)
             steps.append(_env_call(ep, ep.env.step, text))
@@ -294,6 +353,7 @@ def _with_episode_columns(table: pa.Table, eps: list[_Episode]) -> pa.Table:
         "loss_mask": pa.array([ep.mask for ep in eps], pa.list_(pa.int8())),
         "turns": pa.array([ep.turns for ep in eps], pa.int32()),
         "env_reward": pa.array([ep.reward for ep in eps], pa.float64()),
+        "turn_rewards": pa.array([ep.turn_rewards for ep in eps], pa.list_(pa.float64())),
         "env_error": pa.array([ep.error for ep in eps], pa.string()),
         "env_seconds": pa.array([ep.env_seconds for ep in eps], pa.float64()),
     }

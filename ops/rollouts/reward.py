@@ -6,8 +6,11 @@ its output has the ``SCORED`` columns of ``ops/data/schema.py``.
 
 Routing: a row whose ``data_source`` is a key of ``reward_fns`` is scored by that user
 callable ``fn(response_text, answer) -> float``; every other row by the built-in verifier
-named by ``default`` (see ``VERIFIERS``). Rewards compare text; none evaluates model text as
-code.
+named by ``default`` (see ``VERIFIERS``). A user callable that takes a third parameter (or one
+named ``row``) is called ``fn(response_text, answer, row)``, with ``row`` the whole dataset
+record as a dict (every column, nested ones as they are: ``metadata``, ``extra_info``,
+``reward_model``, a seed ...) plus ``prompt_id``, ``answer``, ``data_source`` and
+``sample_idx``. Rewards compare text; none evaluates model text as code.
 
 Failures are per sample and never fatal: a call that raises, returns a non-number, a
 non-finite number or one past ``schema.MAX_ABS_REWARD`` (``1e300``, ``10**400``), or runs
@@ -25,6 +28,7 @@ on until it returns. Rows are scored one after the other, so ``k`` hanging calls
 from __future__ import annotations
 
 import ctypes
+import inspect
 import math
 import numbers
 import queue
@@ -37,9 +41,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from ..data.records import record_fields
 from ..data.schema import MAX_ABS_REWARD, ROLLOUTS, SCORED, check_columns
 
-RewardFn = Callable[[str, str | None], float]
+RewardFn = Callable[..., float]  # fn(response_text, answer) or fn(response_text, answer, row)
 
 READS = pa.schema([ROLLOUTS.field(name) for name in ("response_text", "answer", "data_source")])
 ERROR_CHARS = 200
@@ -223,6 +228,18 @@ def _interrupt(thread: threading.Thread) -> None:
         api.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), None)
 
 
+def takes_row(fn: Callable) -> bool:
+    """Whether ``fn`` is called with the row: a third positional parameter, ``*args`` or a
+    parameter named ``row``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+            or any(p.name == "row" for p in params))
+
+
 def reward_one(
     caller: GuardedCaller,
     fn: RewardFn,
@@ -230,12 +247,15 @@ def reward_one(
     answer: str | None,
     timeout_s: float,
     fallback: float,
+    row: dict | None = None,
 ) -> tuple[float, str | None]:
-    """Score one sample: ``(reward, None)``, or ``(fallback, error)`` when the call fails."""
+    """Score one sample: ``(reward, None)``, or ``(fallback, error)`` when the call fails.
+    ``row`` is passed as the third argument when given."""
     if response_text is None:
         return fallback, "null response_text"
+    args = (response_text, answer) if row is None else (response_text, answer, row)
     try:
-        value = caller.call(fn, (response_text, answer), timeout_s)
+        value = caller.call(fn, args, timeout_s)
     except RewardTimeout as err:
         return fallback, str(err)
     except KeyboardInterrupt:
@@ -295,30 +315,45 @@ def score(
 ) -> pa.Table:
     """Append ``reward`` (float64) and ``reward_error`` (string) to ``rollouts``.
 
-    Reads only ``response_text``, ``answer`` and ``data_source`` (``READS``: the ``ROLLOUTS``
-    types, so small tables with just these columns are accepted); all columns are kept in
-    order. ``reward_fns`` maps a ``data_source`` to a callable ``fn(response_text, answer)``;
-    other rows use ``VERIFIERS[default]``. Each call is limited to ``timeout_s`` seconds; a
+    Reads ``response_text``, ``answer`` and ``data_source`` (``READS``: the ``ROLLOUTS``
+    types, so small tables with just these columns are accepted), and for a function that
+    takes the row, ``record``, ``prompt_id`` and ``sample_idx`` where present; all columns
+    are kept in order. ``reward_fns`` maps a ``data_source`` to a callable
+    ``fn(response_text, answer)`` or ``fn(response_text, answer, row)``; other rows use
+    ``VERIFIERS[default]``. Each call is limited to ``timeout_s`` seconds; a
     failing call scores ``fallback`` and records why in ``reward_error``."""
     _check_arguments(rollouts, reward_fns, default, timeout_s, fallback)
     routes = dict(reward_fns or {})
     builtin = VERIFIERS[default]
     rewards: list[float] = []
     errors: list[str | None] = []
+    wants_row = {source for source, fn in routes.items() if takes_row(fn)}
     rows = zip(
         rollouts.column("response_text").to_pylist(),
         rollouts.column("answer").to_pylist(),
         rollouts.column("data_source").to_pylist(),
+        range(len(rollouts)),
         strict=True,
     )
     with GuardedCaller() as caller:
-        for response_text, answer, source in rows:
+        for response_text, answer, source, i in rows:
             fn = routes.get(source, builtin) if source is not None else builtin
-            reward, error = reward_one(caller, fn, response_text, answer, timeout_s, fallback)
+            row = _row(rollouts, i) if source in wants_row else None
+            reward, error = reward_one(caller, fn, response_text, answer, timeout_s, fallback,
+                                       row)
             rewards.append(reward)
             errors.append(error)
     table = rollouts.append_column(SCORED.field("reward"), pa.array(rewards, pa.float64()))
     return table.append_column(SCORED.field("reward_error"), pa.array(errors, pa.string()))
+
+
+ROW_COLUMNS = ("record", "prompt_id", "answer", "data_source", "sample_idx")
+
+
+def _row(rollouts: pa.Table, i: int) -> dict:
+    """Row ``i``'s dataset record with its ``ROW_COLUMNS`` (those the table has)."""
+    names = [n for n in ROW_COLUMNS if n in rollouts.column_names]
+    return record_fields(rollouts.select(names).slice(i, 1).to_pylist()[0])
 
 
 def _check_arguments(
@@ -338,7 +373,7 @@ def _check_arguments(
         if not callable(fn):
             raise ValueError(
                 f"score: reward_fns[{source!r}] is {type(fn).__name__}, expected a callable "
-                "fn(response_text, answer) -> float"
+                "fn(response_text, answer[, row]) -> float"
             )
     if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
         raise ValueError(

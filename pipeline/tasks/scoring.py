@@ -14,6 +14,7 @@ import pyarrow as pa
 from rlhfless.ops.algo.advantage import compute_advantages
 from rlhfless.ops.data.schema import TRAINABLE
 from rlhfless.ops.engine.gen_stats import Generated
+from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of, reasoning_gym
 from rlhfless.ops.rollouts.episode import score_episodes
 from rlhfless.ops.rollouts.reward import VERIFIERS, score
 
@@ -27,9 +28,13 @@ class RewardSpec:
 
 
 def resolve_reward(name: str):
-    """A built-in verifier by name, or a user function given as ``"module:function"``."""
+    """A built-in verifier by name, a library's scorer (``"reasoning-gym:<task>"``), or a
+    user function given as ``"module:function"``."""
     if name in VERIFIERS:
         return VERIFIERS[name]
+    adapter = adapter_of(name, DATASET_ADAPTERS)
+    if adapter is not None:
+        return reasoning_gym.scorer(adapter[1])
     module, _, attr = name.partition(":")
     if not attr:
         raise ValueError(f"reward {name!r}: not a verifier {sorted(VERIFIERS)} or 'module:fn'")

@@ -2,10 +2,17 @@
 any worker starts: each bad path or reward is a ``ConfigError`` of one line that names the
 key, the problem and the fix.
 
-* ``dataset`` / ``heldout``: a file (not a directory) that exists, when given.
+* ``dataset`` / ``heldout``: a file (not a directory) that exists, when given; a dataset
+  ``"reasoning-gym:<task>"``: the package is installed and has the task.
 * ``model``: ``"tiny"`` or a directory with a Hugging Face ``config.json``.
-* ``default_reward``: a built-in verifier; each of ``rewards``: a verifier, or
-  ``"module:function"`` that imports here and names a callable. The working directory is
+* ``default_reward``: a built-in verifier; each of ``rewards``: a verifier, a library's
+  scorer (``"reasoning-gym:<task>"``), or ``"module:function"`` that imports here and names a
+  callable.
+* ``environment``: it resolves (imports, is a class with ``reset`` and ``step``, or a
+  library's id) and one is built with ``env_kwargs`` (and closed).
+* ``check_context``: once the prompts are read, the longest prompt plus the tokens generated
+  after it (``max_new_tokens``, or ``max_episode_tokens`` for episodes) fit the model's
+  context; the worst prompt is named. The working directory is
   put on ``sys.path`` first (the ``rlhfless`` script does not have it), so that a reward
   module beside the config imports; local workers inherit the driver's ``sys.path``, and a
   batch job's worker starts in the directory the job was submitted from.
@@ -13,11 +20,19 @@ key, the problem and the fix.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
-from ..config import Config, ConfigError
+import pyarrow.compute as pc
+
+from rlhfless.ops.rollouts.adapters import reasoning_gym
+from rlhfless.ops.rollouts.resolve import resolve_environment
+from rlhfless.ops.rollouts.reward import describe_error
+
+from ..config import Config, ConfigError, dataset_task
+from ..specs import run_rewards
 from ..tasks.scoring import VERIFIERS, resolve_reward
 
 
@@ -28,7 +43,7 @@ def check_inputs(cfg: Config) -> None:
                           "rlhfless.pipeline.train.emulated.run_emulated (bench/emulated.py)")
     for key in ("dataset", "heldout"):
         value = getattr(cfg, key)
-        if not value:
+        if not value or key == "dataset" and dataset_task(value):
             continue
         path = Path(value)
         if path.is_dir():
@@ -38,22 +53,78 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(f"{key} = {value!r}: no such file; give the path of a .jsonl, "
                               ".json or .parquet file of prompts (relative to the working "
                               "directory)")
+    if dataset_task(cfg.dataset):  # drawn when the prompts are read (specs.dataset_source)
+        try:
+            reasoning_gym.check_task(dataset_task(cfg.dataset))
+        except ValueError as err:
+            raise ConfigError(f"dataset = {cfg.dataset!r}: {err}") from None
     if cfg.model != "tiny" and not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(f"model = {cfg.model!r}: no Hugging Face config.json there; give a "
                           "model directory or 'tiny'")
     check_rewards(cfg)
+    check_environment(cfg)
+
+
+def _working_directory_on_path() -> None:
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def check_environment(cfg: Config) -> None:
+    """The environment of ``cfg`` resolves here and one is built with ``env_kwargs``."""
+    name = cfg.episode_environment
+    if not name:
+        return
+    _working_directory_on_path()
+    try:
+        make = resolve_environment(name)
+    except Exception as err:  # the user's module may raise anything while importing
+        raise ConfigError(f"environment = {name!r} cannot be used: {describe_error(err)}"
+                          ) from None
+    try:
+        env = make(**cfg.env_kwargs)
+    except Exception as err:
+        raise ConfigError(f"environment = {name!r} cannot be built with env_kwargs = "
+                          f"{cfg.env_kwargs}: {describe_error(err)}") from None
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # an environment never reset may fail to close; reset comes later
+            pass
+
+
+def check_context(cfg: Config, model_path: Path, prompts: dict) -> None:
+    """The longest prompt of each set plus what is generated after it fits the model's
+    context (``max_position_embeddings`` of its config.json, when it says)."""
+    limit = json.loads((Path(model_path) / "config.json").read_text()).get(
+        "max_position_embeddings")
+    if not isinstance(limit, int):
+        return
+    after, key = ((cfg.max_episode_tokens, "max_episode_tokens") if cfg.episode_environment
+                  else (cfg.max_new_tokens, "max_new_tokens"))
+    for name, table in prompts.items():
+        lengths = pc.list_value_length(table.column("prompt_ids")).to_pylist()
+        if not lengths:
+            continue
+        worst = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[worst] + after > limit:
+            raise ConfigError(
+                f"{name}: prompt {table.column('prompt_id')[worst].as_py()!r} is "
+                f"{lengths[worst]} tokens, + {key} = {after} is {lengths[worst] + after}, "
+                f"over the model's context of {limit} tokens; lower max_prompt_tokens "
+                f"(on_long_prompt decides what happens to longer prompts) or {key}")
 
 
 def check_rewards(cfg: Config) -> None:
     """Every reward of ``cfg`` resolves here, in the driver, to a callable."""
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
+    _working_directory_on_path()
     if cfg.default_reward not in VERIFIERS:
         raise ConfigError(f"default_reward = {cfg.default_reward!r} is not a verifier; choose "
                           f"one of {sorted(VERIFIERS)} (a function of your own goes in "
                           "[rewards], by data_source)")
-    for source, name in cfg.rewards.items():
+    for source, name in run_rewards(cfg).items():
         key = f"rewards.{source}"
         if name in VERIFIERS:
             continue
@@ -61,9 +132,9 @@ def check_rewards(cfg: Config) -> None:
             fn = resolve_reward(name)
         except Exception as err:  # the user's module may raise anything while importing
             raise ConfigError(
-                f"{key} = {name!r} does not import ({type(err).__name__}: {err}); give a "
-                f"verifier {sorted(VERIFIERS)} or 'module:function' importable from the "
-                "working directory") from None
+                f"{key} = {name!r} does not import ({describe_error(err)}); give a "
+                f"verifier {sorted(VERIFIERS)}, 'reasoning-gym:<task>' or 'module:function' "
+                "importable from the working directory") from None
         if not callable(fn):
             raise ConfigError(f"{key} = {name!r} is a {type(fn).__name__}, not a function "
                               "fn(response_text, answer) -> float")

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tomllib
+from test_adapters import library
 
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.config import Config, load_config
@@ -23,7 +24,8 @@ from rlhfless.pipeline.explain import examples, field_comments, key_meanings
 from rlhfless.pipeline.train.inputs import check_inputs
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
-EXAMPLES = ("gsm8k", "multi-turn", "slurm", "tiny")
+EXAMPLES = ("gsm8k", "multi-turn", "reasoning-gym", "skyrl-gym", "slurm", "tiny")
+NEEDS = {"reasoning-gym": "reasoning_gym", "skyrl-gym": "skyrl_gym"}
 SMALL = ["iterations=1", "batch_prompts=4", "n_samples=2", "max_new_tokens=4",
          "heldout_prompts=2", "gen_workers=1", "train_threads=1", "policy=static"]
 
@@ -77,6 +79,8 @@ def test_an_unknown_key_says_which_is_close_in_one_line():
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_each_example_prints_and_loads(name, tmp_path):
     assert sorted(examples()) == sorted(EXAMPLES)
+    if name in NEEDS:  # an example of a library's adapter checks with the library
+        library(NEEDS[name])
     out = rlhfless("config", "--example", name)
     assert out.returncode == 0, out.stderr
     path = tmp_path / f"{name}.toml"
@@ -88,7 +92,7 @@ def test_each_example_prints_and_loads(name, tmp_path):
 
 
 def test_an_unknown_example_is_one_line_naming_them():
-    out = rlhfless("config", "--example", "reasoning-gym")
+    out = rlhfless("config", "--example", "no-such-example")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "no such example" in out.stderr and "'gsm8k'" in out.stderr, out.stderr
 

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhfless.ops.data import schema
 from rlhfless.ops.data.load import MAX_SKIP_REASONS, BadRow, LoadResult, read_prompts
+from rlhfless.ops.data.records import record_fields
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -113,8 +114,13 @@ def test_verl_parquet_round_trip(tmp_path: Path, tokenizer: PreTrainedTokenizerF
 
     result = read_prompts(path, tokenizer)
 
-    assert result.table.schema == schema.PROMPTS
+    assert result.table.select(schema.PROMPTS.names).schema == schema.PROMPTS
     assert column(result, "prompt_id") == ["7", "8"]
+    # the whole record travels with the prompt, nested fields as they are
+    records = [record_fields({"record": r}) for r in column(result, "record")]
+    assert [r["extra_info"] for r in records] == table.column("extra_info").to_pylist()
+    assert [r["reward_model"] for r in records] == table.column("reward_model").to_pylist()
+    assert [r["ability"] for r in records] == ["math", "math"]
     assert column(result, "prompt_ids") == [encoded(tokenizer, chat) for chat in chats]
     assert column(result, "answer") == ["5", "9"]
     assert column(result, "data_source") == ["openai/gsm8k", "lighteval/MATH"]

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from rlhfless.ops.rollouts import sandbox
-from rlhfless.ops.rollouts.env import PythonToolEnv, StepResult, check_step, resolve_environment
+from rlhfless.ops.rollouts.env import PythonToolEnv, StepResult, check_step
+from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.sandbox import SandboxLimits, run_python
 from rlhfless.ops.rollouts.tools import Tool, ToolCall, call_tool, parse_tool_calls
 from rlhfless.ops.toy.tinytool import TallyToolEnv, box_items, tool_call

@@ -1,0 +1,51 @@
+"""From a configured ``environment`` name to what builds one episode's environment.
+
+    "python", "tally-tool"         built in (``env.BUILTIN_ENVIRONMENTS``)
+    "skyrl-gym:<id>"               a skyrl-gym environment, unchanged (adapters/skyrl_gym.py)
+    "textarena:<env id>"           a single-player TextArena game (adapters/textarena.py)
+    "package.module:Class"         a user class: an ``Environment``, or any class with
+                                   ``reset(row)`` and ``step(turn)`` (duck-typed)
+
+``resolve_environment`` returns a callable that takes the ``env_kwargs`` and returns a fresh
+environment; a name that cannot work raises ``ValueError`` (or what importing raised), so
+the driver can refuse it in one line before anything starts (``pipeline/train/inputs.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from functools import partial
+
+from .adapters import ENVIRONMENT_ADAPTERS, LIBRARY_PREFIX, adapter_of
+from .env import BUILTIN_ENVIRONMENTS, Environment
+
+
+def resolve_environment(name: str) -> Callable[..., Environment]:
+    """A built-in environment class, an adapter bound to its library id, or a user class."""
+    adapter = adapter_of(name, ENVIRONMENT_ADAPTERS)
+    if adapter is not None:
+        cls, ident = adapter
+        return partial(cls, ident)
+    target = BUILTIN_ENVIRONMENTS.get(name, name)
+    module, _, attr = target.partition(":")
+    if not attr:
+        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)}, "
+                         f"'<library>:<id>' ({', '.join(sorted(ENVIRONMENT_ADAPTERS))}) or "
+                         "'package.module:Class'")
+    cls = getattr(importlib.import_module(module), attr, None)
+    if cls is None:
+        raise ValueError(f"environment {name!r}: module {module!r} has no {attr!r}")
+    if not isinstance(cls, type):
+        raise ValueError(f"environment {name!r} is a {type(cls).__name__}, not a class")
+    library = cls.__module__.split(".")[0]
+    if library in LIBRARY_PREFIX:
+        raise ValueError(f"environment {name!r} is a {library} class: name it "
+                         f"'{LIBRARY_PREFIX[library]}:<id>' (its registered id) instead")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment {name!r} is not an environment: it has no "
+                         f"{' and no '.join(missing)} method (see ops/rollouts/env.py "
+                         "Environment; skyrl-gym and TextArena classes go by "
+                         "'skyrl-gym:<id>' / 'textarena:<env id>')")
+    return cls

@@ -1,0 +1,183 @@
+"""The library adapters (ops/rollouts/adapters/) with the real libraries: reasoning-gym's
+scorer, skyrl-gym's ``gsm8k_multi_turn`` and TextArena's ``GuessTheNumber-v0``, each compared
+with what the library itself says for the same text, and episodes played through
+``run_episodes`` on the tiny model.
+
+A test of a library that is not installed is skipped, unless ``RLHFLESS_REQUIRE_ECOSYSTEM=1``
+(``.ci/run`` sets it: CI installs them all) makes it fail."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+from model_support import redraw
+from test_episode import TEXTS, play, runs, turn_tokenizer  # noqa: F401 (a fixture)
+
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.generate import SamplingParams, decode, expand_samples
+from rlhfless.ops.rollouts.adapters import reasoning_gym as rg_adapter
+from rlhfless.ops.rollouts.episode import render_messages
+from rlhfless.ops.rollouts.resolve import resolve_environment
+from rlhfless.ops.rollouts.reward import score
+from rlhfless.ops.toy.tinymodel import TinyRecipe, build_model
+
+
+def library(module: str):
+    """The installed library, or skip (fail under RLHFLESS_REQUIRE_ECOSYSTEM=1)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        if os.environ.get("RLHFLESS_REQUIRE_ECOSYSTEM") == "1":
+            pytest.fail(f"RLHFLESS_REQUIRE_ECOSYSTEM=1 but {module} is not installed")
+        pytest.skip(f"{module} is not installed (pip install -e '.[ecosystem]')")
+
+
+def turns_of(row: dict, tok) -> list[str]:
+    """The text of each generated turn of an episode row, as its environment read it."""
+    ids = row["response_ids"]
+    return [tok.decode(ids[a:b], skip_special_tokens=True)
+            for v, a, b in runs(row["loss_mask"]) if v == 1]
+
+
+def test_reasoning_gym_rows_are_scored_by_the_task_itself(tokenizer):
+    rg = library("reasoning_gym")
+    task = "basic_arithmetic"
+    entries = list(rg.create_dataset(task, size=6, seed=3))
+    loaded = read_prompts(pa.Table.from_pylist(rg_adapter.task_records(task, size=6, seed=3)),
+                          tokenizer)
+    rows = expand_samples(loaded.table, 3)
+    # per prompt: the answer itself, the answer inside more text (partial credit), a miss
+    texts = [t for e in entries for t in (e["answer"], f"so it is {e['answer']}", "no idea")]
+    rollouts = rows.append_column("response_text", pa.array(texts, pa.string()))
+    scored = score(rollouts, {f"reasoning-gym:{task}": rg_adapter.scorer(task)})
+    want = [rg.get_score_answer_fn(task)(t, e)
+            for e in entries for t in (e["answer"], f"so it is {e['answer']}", "no idea")]
+    assert scored.column("reward_error").null_count == len(texts)
+    assert scored.column("reward").to_pylist() == want
+    assert set(want[0::3]) == {1.0} and 0 < want[1] < 1 and want[2] == 0.0
+    # the entry reached the scorer whole: its metadata round-trips
+    record = json.loads(loaded.table.column("record")[0].as_py())
+    assert json.loads(record["metadata"])["expression"] == entries[0]["metadata"]["expression"]
+
+
+def test_skyrl_gym_env_steps_as_the_library_does(tokenizer):
+    skyrl = library("skyrl_gym")
+    env = resolve_environment("skyrl-gym:gsm8k_multi_turn")()
+    row = {"prompt_id": "q", "answer": "42", "prompt_text": "What is 6 * 7?",
+           "extra_info": {"max_turns": 3}}
+    assert env.reset(row) is None  # init returns the prompt unchanged: nothing to append
+    own = skyrl.make("gsm8k_multi_turn", env_config={},
+                     extras={"reward_spec": {"ground_truth": "42"},
+                             "extra_info": {"max_turns": 3}})
+    own.init([{"role": "user", "content": "What is 6 * 7?"}])
+    for turn in ("I think #### 41", "#### 42"):
+        ours, theirs = env.step(turn), own.step(turn)
+        assert (ours.reward, ours.done, ours.observation) == (
+            theirs["reward"], theirs["done"], theirs["observations"])
+    assert ours.reward == 1.0 and ours.done
+    text = render_messages(tokenizer, [{"role": "user", "content": "Try again."}])
+    assert text == "<|user|>Try again.\n<|assistant|>"  # the tiny chat template's turn
+
+
+def test_skyrl_gym_episodes_through_the_rollout_loop(model64, turn_tokenizer):  # noqa: F811
+    skyrl = library("skyrl_gym")
+    source = [{"prompt": text, "answer": "2", "extra_info": {"max_turns": 3}}
+              for text in TEXTS[1:3]]
+    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
+    table, stats = play(model64, turn_tokenizer, prompts, env="skyrl-gym:gsm8k_multi_turn",
+                        n=2, max_turns=3, max_turn_tokens=40, max_episode_tokens=240)
+    assert table.column("env_error").null_count == len(table), table.column("env_error")
+    observed = 0
+    for row in table.to_pylist():
+        own = skyrl.make("gsm8k_multi_turn", env_config={},
+                         extras={"reward_spec": {"ground_truth": row["answer"]},
+                                 "extra_info": {"max_turns": 3}})
+        own.init([])
+        steps = [own.step(t) for t in turns_of(row, turn_tokenizer)][:len(row["turn_rewards"])]
+        assert row["turn_rewards"] == [s["reward"] for s in steps]
+        assert row["env_reward"] == sum(s["reward"] for s in steps)
+        # each observation is the library's messages through the chat template, as ids
+        obs = [row["response_ids"][a:b] for v, a, b in runs(row["loss_mask"]) if v == 0]
+        want = [turn_tokenizer(render_messages(turn_tokenizer, s["observations"]),
+                               add_special_tokens=False)["input_ids"]
+                for s in steps if not s["done"]]
+        assert obs == want[:len(obs)]
+        observed += len(obs)
+    assert observed > 0  # some episode went past its first turn
+
+
+def test_textarena_game_scores_and_final_reward_at_close():
+    library("textarena")
+    make = resolve_environment("textarena:GuessTheNumber-v0")
+    env = make()
+    first = env.reset({"seed": 7, "episode_seed": 1})
+    assert "Guess The Number" in first[0]["content"]
+    target = env.env.state.game_state["game_number"]
+    again = make()
+    again.reset({"seed": 7, "episode_seed": 2})  # the row's seed wins: the same game
+    assert again.env.state.game_state["game_number"] == target
+    wrong = 1 if target != 1 else 2
+    step = env.step(f"[{wrong}]")
+    assert not step.done and step.observation[0]["content"].strip()
+    assert f"[Player] [{wrong}]" in step.observation[0]["content"]  # only what is new
+    assert "Guess The Number" not in step.observation[0]["content"]
+    done = env.step(f"[{target}]")
+    assert (done.reward, done.done) == (1.0, True)
+    assert env.close() is None  # scored once, at the step that ended the game
+    # our limit ends the game early: close() returns what the game set (here: nothing yet)
+    cut = make()
+    cut.reset({"seed": 7, "episode_seed": 3})
+    cut.step(f"[{wrong}]")
+    assert cut.close() is None
+
+
+@pytest.fixture(scope="module")
+def long_model(tokenizer):
+    """The tiny Llama with room for TextArena's first observation (424 tokens of the tiny
+    tokenizer), float64, random weights."""
+    recipe = TinyRecipe(max_positions=1024)
+    return redraw(build_model(recipe, tokenizer), recipe.seed).double().eval()
+
+
+def game_tokenizer(model, tokenizer, first_prompt: str):
+    """The tokenizer with the token ``model`` says most often after ``first_prompt`` (greedy)
+    as its EOS, so that turns end (as ``test_episode.turn_tokenizer`` does)."""
+    ids = [tokenizer(first_prompt, add_special_tokens=False)["input_ids"]]
+    said = decode(model, ids, 1, SamplingParams(24, greedy=True), -1, tokenizer.pad_token_id)
+    common = Counter(t for tokens, _, _ in said for t in tokens).most_common(1)[0][0]
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = tok.convert_ids_to_tokens(common)
+    return tok
+
+
+def test_textarena_episodes_replay_in_the_library(long_model, tokenizer):
+    ta = library("textarena")
+    source = [{"prompt": "Play.\n", "seed": s, "answer": ""} for s in (11, 12)]
+    first = resolve_environment("textarena:GuessTheNumber-v0")()
+    tok = game_tokenizer(long_model, tokenizer, "Play.\n" + render_messages(
+        tokenizer, first.reset({"seed": 11})))
+    prompts = read_prompts(pa.Table.from_pylist(source), tok).table
+    table, _ = play(long_model, tok, prompts, env="textarena:GuessTheNumber-v0",
+                    n=2, max_turns=3, max_turn_tokens=16, max_episode_tokens=1000,
+                    step_cut_turns=True)
+    assert table.column("env_error").null_count == len(table), table.column("env_error")
+    seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+    for row in table.to_pylist():
+        own = ta.make("GuessTheNumber-v0")
+        own.reset(num_players=1, seed=seeds[row["prompt_id"]])
+        done = False
+        for turn in turns_of(row, tok)[:len(row["turn_rewards"])]:
+            done, _ = own.step(turn)
+        rewards, _ = own.close()
+        final = rewards[0] if rewards else 0.0  # the game's score, whoever ended it
+        assert row["env_reward"] == final
+        assert done == (row["finish_reason"] == "stop")
+    # every turn reached the game (step_cut_turns), which ended or was cut by max_turns
+    assert {r["turns"] for r in table.to_pylist()} - {1, 2, 3} == set()
+    assert sum(len(r["turn_rewards"]) for r in table.to_pylist()) >= len(table)

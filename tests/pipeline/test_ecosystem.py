@@ -1,0 +1,145 @@
+"""Runs from configuration alone with the libraries users already have, and the checks that
+refuse a bad environment, reward or budget before any worker starts.
+
+* ``dataset = "reasoning-gym:basic_arithmetic"``: a real run on a LocalCluster; every reward
+  in its rollouts equals reasoning-gym's own ``score_answer`` of the same text.
+* ``environment = "skyrl-gym:gsm8k_multi_turn"``: a real run; every episode's per-turn
+  rewards equal the library's own environment stepped with the same turns.
+* One line and exit 2, nothing written, no cluster: an environment module that does not
+  import, a class that is not an environment, a skyrl-gym class given by module path,
+  ``env_kwargs`` the class does not take, prompt + ``max_new_tokens`` over the context.
+* A batch in which every episode fails stops the run with the environment's own error.
+
+A library that is not installed skips its test, unless ``RLHFLESS_REQUIRE_ECOSYSTEM=1``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from test_adapters import library, runs
+from test_hostile_inputs import one_line_error, snapshot
+from transformers import AutoTokenizer
+
+from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.train.loop import train
+
+SMALL = dict(iterations=1, batch_prompts=4, n_samples=2, heldout_prompts=4, eval_every=1,
+             gen_workers=1, train_threads=1, policy="static", keep_alive_s=0.0)
+
+
+def rollouts(run_path) -> list[dict]:
+    return pq.read_table(run_path / "rollouts" / "iter-00001.parquet").to_pylist()
+
+
+def test_reasoning_gym_run_from_config_alone(tiny_model_dir, tmp_path):
+    rg = library("reasoning_gym")
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="rg",
+                 dataset="reasoning-gym:basic_arithmetic",
+                 dataset_kwargs={"size": 40, "seed": 5}, max_new_tokens=12,
+                 require_answers=True, **SMALL)
+    said: list[str] = []
+    run = train(cfg, progress=False, log=said.append)
+    assert any("held out for evaluation" in s or "heldout:" in s for s in said), said
+    entries = list(rg.create_dataset("basic_arithmetic", size=40, seed=5))
+    score_answer = rg.get_score_answer_fn("basic_arithmetic")
+    rows = rollouts(run.path)
+    assert len(rows) == cfg.batch_prompts * cfg.n_samples
+    for row in rows:
+        entry = entries[int(row["prompt_id"].rsplit(":", 1)[1])]
+        assert row["answer"] == entry["answer"]
+        assert row["reward_error"] is None
+        assert row["reward"] == score_answer(row["response_text"], entry)
+
+
+def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
+    skyrl = library("skyrl_gym")
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="skyrl",
+                 environment="skyrl-gym:gsm8k_multi_turn", max_turns=2, max_turn_tokens=12,
+                 max_episode_tokens=100, max_prompt_tokens=24, step_cut_turns=True,
+                 **SMALL)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    rows = rollouts(run.path)
+    assert len(rows) == cfg.batch_prompts * cfg.n_samples
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    stepped = 0
+    for row in rows:
+        assert row["env_error"] is None, row["env_error"]
+        own = skyrl.make("gsm8k_multi_turn", env_config={},
+                         extras={"reward_spec": {"ground_truth": row["answer"]},
+                                 "extra_info": {}})
+        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
+                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
+        want = [own.step(t)["reward"] for t in turns]
+        assert row["turn_rewards"] == want
+        assert row["reward"] == sum(want)
+        stepped += len(want)
+    assert stepped >= len(rows)  # every episode's turns reached the environment
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostile_env.py").write_text(
+        (Path(__file__).parent / "hostile_env.py").read_text())
+    return tmp_path
+
+
+def train_argv(*sets: str, model=None) -> list[str]:
+    argv = ["train", "--set", "name='x'", "--set", "iterations=1", "--set", "batch_prompts=4",
+            "--set", "n_samples=2", "--set", "heldout_prompts=4", "--set", "gen_workers=1"]
+    if model is not None:
+        argv += ["--set", f"model={json.dumps(str(model))}"]
+    for item in sets:
+        argv += ["--set", item]
+    return argv
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (["environment='nosuch_mod:Env'"],
+     "environment = 'nosuch_mod:Env' cannot be used: ModuleNotFoundError"),
+    (["environment='hostile_env:NotAnEnvironment'"], "has no reset and no step method"),
+    (["environment='skyrl_gym.envs.gsm8k.env:GSM8kEnv'"], "name it 'skyrl-gym:<id>'"),
+    (["environment='skyrl-gym:nosuch'"], "skyrl-gym has no environment 'nosuch'"),
+    (["environment='textarena:NoGame-v0'"], "textarena has no game 'NoGame-v0'"),
+    (["environment='tally-tool'", "env_kwargs={colour='red'}"],
+     "cannot be built with env_kwargs = {'colour': 'red'}: TypeError"),
+    (["environment='textarena:GuessTheNumber-v0'", "env_kwargs={max_number='x', colour=1}"],
+     "cannot be built with env_kwargs = {'max_number': 'x', 'colour': 1}: TypeError"),
+    (["dataset='reasoning-gym:nosuch'"], "reasoning-gym has no task 'nosuch'"),
+    (["rewards={tally='nosuch_mod:fn'}"], "does not import (ModuleNotFoundError"),
+])
+def test_bad_environment_or_reward_is_refused_before_anything_starts(workdir, capsys, sets,
+                                                                     says):
+    if any("skyrl" in s for s in sets):
+        library("skyrl_gym")
+    if any("textarena" in s for s in sets):
+        library("textarena")
+    if any("reasoning-gym" in s for s in sets):
+        library("reasoning_gym")
+    before = snapshot(workdir)
+    err = one_line_error(capsys, train_argv(*sets))
+    assert says in err, err
+    assert snapshot(workdir) == before  # no run directory, nothing written
+
+
+def test_prompt_and_budget_over_the_context_is_refused_before_the_cluster(workdir, capsys,
+                                                                          tiny_model_dir):
+    err = one_line_error(capsys, train_argv("max_new_tokens=200", "max_prompt_tokens=100",
+                                            model=tiny_model_dir))
+    assert "+ max_new_tokens = 200" in err and "over the model's context of 128" in err, err
+    assert "prompt '" in err  # the worst prompt is named
+    assert not list((workdir / "runs" / "x").glob("rollouts/*"))  # nothing generated
+
+
+def test_every_episode_failing_stops_the_run_with_the_environment_error(workdir, capsys,
+                                                                        tiny_model_dir):
+    err = one_line_error(capsys, [*train_argv("environment='hostile_env:NeedsColour'",
+                                              "env_kwargs={colour='blue'}", "max_turn_tokens=8",
+                                              "max_episode_tokens=16", model=tiny_model_dir),
+                                  "--no-progress"])
+    assert "every episode of the batch failed in its environment (8 of 8)" in err, err
+    assert "reset: KeyError" in err and "no such colour 'blue'" in err, err
