@@ -345,7 +345,8 @@ def rollouts_table(rows: pa.Table, results: list[tuple[list[int], list[float], s
     n = len(results)
     if n != len(rows):
         raise ValueError(f"rollouts_table: {len(rows)} rows but {n} results")
-    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True)
+    # no rows: no call (some transformers releases decode an empty batch as one empty text)
+    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True) if n else []
     added = {
         "response_ids": pa.array([r[0] for r in results], pa.list_(pa.int32())),
         "response_text": pa.array(texts, pa.string()),
