@@ -126,9 +126,8 @@ class Config:
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra)
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
     gen_dtype: str = "auto"  # generation engine's weights: auto (bf16 on CUDA, float32 on CPU)
-    # vllm: share of the device's memory each engine takes (on CPU: of the RAM of its NUMA
-    # node, the worker's own memory included); weights + KV cache, so raise it on a GPU
-    gpu_memory_utilization: float = 0.15
+    # vllm on CPU: of its NUMA node's RAM, the worker's own memory included; raise it on a GPU
+    gpu_memory_utilization: float = 0.15  # share of device memory each vllm engine takes
     # backend = "emulated" (pipeline/tasks/emulated_backend.py): a GPU profile's task times
     emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
     emulate_time_scale: float = 0.05  # wall seconds per emulated second

@@ -119,6 +119,7 @@ class VLLMBackend(GenerationBackend):
     def load(self) -> None:
         started = time.perf_counter()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its notes on every load and task
         torch.set_num_threads(self.threads)  # before vLLM's CPU worker disables the call
         self._vllm = import_vllm()
         self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_support import redraw
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_support import require_vllm
 
-from model_support import redraw
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.publish import publish_weights
@@ -65,7 +65,11 @@ def _max_logprob_error(table, model, temperature: float) -> float:
 def test_engine_runs_in_this_process_with_no_child(engine):
     import psutil
 
-    assert engine.engine_kwargs["dtype"] == "float32" and engine.load_seconds > 0
+    config = engine.llm.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching and engine.load_seconds > 0
+    assert config.model_config.logprobs_mode == "processed_logprobs"
+    assert str(config.model_config.dtype) == "torch.float32"
+    assert config.scheduler_config.enable_chunked_prefill is not ON_CPU
     assert [c.name() for c in psutil.Process().children(recursive=True)
             if "VLLM" in c.name()] == []
 
@@ -78,6 +82,9 @@ def test_seeded_full_batch_with_the_trainers_logprobs(engine, prompts, tiny_mode
     params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=3)
     table, stats = engine.generate(prompts, 8, params)
     assert len(table) == 8 * len(prompts) and stats.decode_tokens > 0
+    ids = prompts.column("prompt_id").to_pylist()
+    assert table.column("prompt_id").to_pylist() == [i for i in ids for _ in range(8)]
+    assert table.column("sample_idx").to_pylist() == list(range(8)) * len(ids)
     again, _ = engine.generate(prompts, 8, params)
     assert again.column("response_ids").to_pylist() == table.column("response_ids").to_pylist()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
