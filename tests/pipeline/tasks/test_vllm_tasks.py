@@ -54,3 +54,24 @@ def test_a_vllm_run_learns_its_steps_and_leaves_no_process(tiny_model_dir, tmp_p
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
     assert left == []
+
+
+def test_async_replay_on_vllm_keeps_both_bounds(tiny_model_dir, tmp_path):
+    """Both modes at once on vLLM: batch i+1 generated while update i runs, part of each
+    from the replay buffer; fresh rows lag at most max_staleness versions."""
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.train.loop import train
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm-modes",
+                 backend="vllm", mode="async+replay", iterations=3, batch_prompts=6,
+                 n_samples=4, max_new_tokens=8, max_staleness=1, replay_ratio=0.5,
+                 replay_max_age=3, heldout_prompts=4, eval_every=100, checkpoint_every=100,
+                 gen_workers=1, train_threads=1, rewards={"tally": "parity_reward:parity"})
+    run = train(cfg, progress=False, log=lambda *_: None)
+    records = [m for m in run.metrics() if m.get("event") == "iteration"]
+    assert [m["generated_by"] for m in records] == [0, 0, 1]
+    for m in records:
+        assert m["policy_version"] == m["iteration"] - 1
+        assert m["staleness_max"] <= cfg.replay_max_age
+    assert sum(m["replayed_groups"] for m in records) > 0
+    assert vllm_processes() == []
