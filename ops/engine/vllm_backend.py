@@ -123,9 +123,13 @@ class VLLMBackend(GenerationBackend):
         started = time.perf_counter()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its notes on every load and task
-        torch.set_num_threads(self.threads)  # before vLLM's CPU worker disables the call
+        torch.set_num_threads(self.threads)
         self._vllm = import_vllm()
-        self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)
+        finally:  # vLLM's CPU worker makes it a no-op, for the thread binding of a worker
+            torch.set_num_threads = set_num_threads  # process of its own, not made here
         self.load_seconds = time.perf_counter() - started
 
     def close(self) -> None:

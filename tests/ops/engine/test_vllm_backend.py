@@ -65,6 +65,10 @@ def _max_logprob_error(table, model, temperature: float) -> float:
 def test_engine_runs_in_this_process_with_no_child(engine):
     import psutil
 
+    torch.set_num_threads(2)  # vLLM's CPU worker stubs it out; the backend puts it back
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+
     config = engine.llm.llm_engine.vllm_config
     assert config.cache_config.enable_prefix_caching and engine.load_seconds > 0
     assert config.model_config.logprobs_mode == "processed_logprobs"
