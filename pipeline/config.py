@@ -40,6 +40,7 @@ CHOICES = {
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
+    "gen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "task": ("tally", "tally-tool", "tally-long"),
 }
 
@@ -126,8 +127,11 @@ class Config:
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
-    backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (GPU, extra)
+    backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra)
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
+    gen_dtype: str = "auto"  # generation engine's weights: auto (bf16 on CUDA, float32 on CPU)
+    # vllm on CPU: of its NUMA node's RAM, the worker's own memory included; raise it on a GPU
+    gpu_memory_utilization: float = 0.15  # share of device memory each vllm engine takes
     # backend = "emulated" (pipeline/tasks/emulated_backend.py): a GPU profile's task times
     emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
     emulate_time_scale: float = 0.05  # wall seconds per emulated second
@@ -244,6 +248,12 @@ class Config:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         check_mode(self)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization = {self.gpu_memory_utilization} must be "
+                              "in (0, 1]: the share of memory each vllm engine takes")
+        if self.colocate and (self.device == "cpu" or not cuda_available()):
+            raise ConfigError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
+                              "frees the device for the trainer, does not run on CPU")
         if self.backend == "vllm" and self.top_p < 1:
             raise ConfigError(f"top_p = {self.top_p} with backend = 'vllm': its logprobs are "
                               "renormalised over the nucleus, the trainer's are not; use 1")
@@ -303,6 +313,12 @@ def dataset_task(dataset: str) -> str:
     """The reasoning-gym task of ``dataset = "reasoning-gym:<task>"`` ("" for a file)."""
     adapter = adapter_of(dataset, DATASET_ADAPTERS)
     return adapter[1] if adapter else ""
+
+
+def cuda_available() -> bool:
+    import torch  # only when colocate asks: the config is read where torch is not needed
+
+    return torch.cuda.is_available()
 
 
 def check_mode(cfg: Config) -> None:

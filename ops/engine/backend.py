@@ -11,6 +11,7 @@ drives it in this order:
             backend.set_weights(ref)        in place; resets the prefix cache
         table, stats = backend.generate(prompts, n_samples, params, worker=...)
         backend.sleep()                     colocated: free the device for the trainer
+    backend.close()                         at the end (a worker's exit ends it too)
 
 ``generate`` returns one row per (prompt, sample), prompt-major, in ``schema.ROLLOUTS``
 (every prompt column kept), with the behaviour policy's log-probability of each sampled
@@ -112,6 +113,9 @@ class HFBackend(GenerationBackend):
                                  policy_version=self.version, worker=worker,
                                  share_prefixes=share_prefixes)
 
+    def close(self) -> None:
+        self.model = None
+
     def _loaded(self) -> torch.nn.Module:
         if self.model is None:
             raise RuntimeError(f"HFBackend({self.model_path}): call load() first")
@@ -120,14 +124,16 @@ class HFBackend(GenerationBackend):
 
 def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
                  colocate: bool = False, lora: LoraSpec | None = None,
-                 dtype: str = "auto") -> GenerationBackend:
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.15) -> GenerationBackend:
     """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
     engine shares its device with the trainer and sleeps between rollouts (vllm); ``dtype``:
-    the hf engine's weights (one of ``DTYPES``)."""
+    the engine's weights (one of ``DTYPES``); ``gpu_memory_utilization``: the share of the
+    device's memory a vllm engine takes (on CPU: of the RAM)."""
     if name == "hf":
         return HFBackend(model_path, device, threads, lora, dtype)
     if name == "vllm":
         from .vllm_backend import VLLMBackend  # optional dependency: only when asked for
 
-        return VLLMBackend(model_path, colocate=colocate)
+        return VLLMBackend(model_path, colocate=colocate, dtype=dtype, threads=threads,
+                           gpu_memory_utilization=gpu_memory_utilization)
     raise ValueError(f"backend {name!r}: choose one of {BACKENDS}")

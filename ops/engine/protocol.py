@@ -2,8 +2,8 @@
 
 A generation worker holds one backend in worker-local state and drives it as the module
 docstring of ``backend.py`` shows (``load`` once, then per task ``wake``, ``set_weights``
-when the version differs, ``generate``, ``sleep``). Every backend implements this ABC:
-``HFBackend`` (``backend.py``) and ``VLLMBackend`` (``vllm_backend.py``).
+when the version differs, ``generate``, ``sleep``; ``close`` at the end). Every backend
+implements this ABC: ``HFBackend`` (``backend.py``) and ``VLLMBackend`` (``vllm_backend.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class GenerationBackend(ABC):
     def load(self) -> None:
         """Load model and tokenizer. Called once per worker process, before anything else;
         may take long (weights, device memory, compilation): the caller measures it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine (its memory, threads, any process of its own); nothing when
+        closed already. Called at the end of a run, or when the worker holding it leaves."""
 
     @abstractmethod
     def set_weights(self, ref: WeightsRef) -> None:

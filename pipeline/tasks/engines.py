@@ -32,7 +32,8 @@ class EngineSpec:
     backend: str = "hf"  # generation backend (ops/engine/backend.py): "hf" | "vllm"
     colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
     lora: LoraSpec | None = None  # LoRA adapters on the model; only they train and move
-    dtype: str = "auto"  # the hf generation engine's weights (ops/engine/backend.py DTYPES)
+    dtype: str = "auto"  # the generation engine's weights (ops/engine/backend.py DTYPES)
+    gpu_memory_utilization: float = 0.15  # vllm: its share of device memory (CPU: of RAM)
 
 
 def worker_name() -> str:

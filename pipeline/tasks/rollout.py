@@ -56,7 +56,8 @@ def _generation_engine(spec: EngineSpec,
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
         engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
-                              colocate=spec.colocate, lora=spec.lora, dtype=spec.dtype)
+                              colocate=spec.colocate, lora=spec.lora, dtype=spec.dtype,
+                              gpu_memory_utilization=spec.gpu_memory_utilization)
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds

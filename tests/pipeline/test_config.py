@@ -63,3 +63,19 @@ def test_a_group_needs_two_samples(algorithm):
                                           f"'{algorithm}'"):
         Config(algorithm=algorithm, n_samples=1)
     assert Config(algorithm=algorithm, n_samples=2).n_samples == 2
+
+
+def test_the_vllm_engines_memory_share_and_dtype_are_keys():
+    cfg = load_config(None, ["gpu_memory_utilization=0.3", "gen_dtype='bfloat16'"])
+    assert cfg.gpu_memory_utilization == 0.3 and cfg.gen_dtype == "bfloat16"
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match=r"gpu_memory_utilization = .* must be in \(0, 1\]"):
+            load_config(None, [f"gpu_memory_utilization={bad}"])
+    with pytest.raises(ConfigError, match="gen_dtype = 'int8' is not allowed"):
+        load_config(None, ["gen_dtype='int8'"])
+
+
+def test_colocate_is_refused_in_one_line_without_cuda():
+    with pytest.raises(ConfigError, match="colocate = true needs a CUDA device") as err:
+        Config(colocate=True, device="cpu")
+    assert "\n" not in str(err.value)

@@ -1,0 +1,77 @@
+"""The vllm backend inside the pipeline, on a real vLLM engine (CPU build here and in CI):
+a generation task on a daemonic Dask worker process, and a whole short run that leaves no
+process behind. Skips without vLLM; fails instead under ``RLHFLESS_REQUIRE_VLLM=1``."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+from distributed import Client, LocalCluster
+from transformers import AutoTokenizer
+from vllm_support import require_vllm, vllm_processes
+
+from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.pipeline.tasks.engines import EngineSpec
+from rlhfless.pipeline.tasks.rollout import GenSpec, generate_task
+
+require_vllm()
+
+
+def test_a_daemonic_dask_worker_hosts_the_engine_and_bills_its_load(tiny_model_dir):
+    """Dask's worker processes are daemonic (they may not start children): the engine runs
+    in the worker's own process, its load is the task's cold start, and closing the
+    cluster leaves no vLLM process."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 4)
+    spec = GenSpec(EngineSpec(str(tiny_model_dir), backend="vllm", dtype="float32"), 2,
+                   SamplingParams(max_new_tokens=8, seed=1))
+    weights = WeightsRef(0, str(tiny_model_dir))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        first = client.submit(generate_task, shard, weights, spec, 1, pure=False).result()
+        second = client.submit(generate_task, shard, weights, spec, 1, pure=False).result()
+    assert len(first.table) == 2 * len(shard) and first.stats.cold_start_s > 0
+    assert second.stats.cold_start_s == 0  # the worker's engine stays loaded
+    assert vllm_processes() == []
+
+
+def test_a_vllm_run_learns_its_steps_and_leaves_no_process(tiny_model_dir, tmp_path):
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.train.loop import train
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm", iterations=2,
+                 batch_prompts=8, n_samples=3, max_new_tokens=16, heldout_prompts=8,
+                 eval_every=1, backend="vllm", gen_workers=2, train_threads=1)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "heldout_accuracy" in r]
+    assert len(steps) >= 2, records[-3:]
+    assert vllm_processes() == []
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert left == []
+
+
+def test_async_replay_on_vllm_keeps_both_bounds(tiny_model_dir, tmp_path):
+    """Both modes at once on vLLM: batch i+1 generated while update i runs, part of each
+    from the replay buffer; fresh rows lag at most max_staleness versions."""
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.train.loop import train
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm-modes",
+                 backend="vllm", mode="async+replay", iterations=3, batch_prompts=6,
+                 n_samples=4, max_new_tokens=8, max_staleness=1, replay_ratio=0.5,
+                 replay_max_age=3, heldout_prompts=4, eval_every=100, checkpoint_every=100,
+                 gen_workers=1, train_threads=1, rewards={"tally": "parity_reward:parity"})
+    run = train(cfg, progress=False, log=lambda *_: None)
+    records = [m for m in run.metrics() if m.get("event") == "iteration"]
+    assert [m["generated_by"] for m in records] == [0, 0, 1]
+    for m in records:
+        assert m["policy_version"] == m["iteration"] - 1
+        assert m["staleness_max"] <= cfg.replay_max_age
+    assert sum(m["replayed_groups"] for m in records) > 0
+    assert vllm_processes() == []
