@@ -22,7 +22,11 @@
   iteration, prompt, sample), so every sample is still drawn once and the same). A task
   that keeps beating is never stopped, however much longer than predicted it takes. The
   trainer's tasks do not beat yet (a model load or a checkpoint may take minutes without a
-  decode step), so they are not watched.
+  decode step), so they are not watched. A worker whose heartbeats stopped (a SIGSTOP
+  stops them with everything else) is restarted the same way once its silence passes the
+  deadline of the decoding task it was given, or ``min_stall_s`` whatever it holds (a
+  stopped worker holding finished results would hold up the driver as surely), well
+  before Dask's own worker TTL of minutes.
 * ``WorkerHooks`` (worker plugin, on every worker, restarted ones too): the beat metric, and
   Dask's "Compute Failed" log block silenced: every failed task reaches the driver, which
   either recovers from it or ends the run in one line (``cli.py``; ``--debug`` shows the
@@ -100,8 +104,28 @@ class StallWatch(SchedulerPlugin):
                         "no_progress_s": now - since, "deadline_s": deadline,
                         "predicted_s": max(ts.prefix.duration_average, 0.0)})
                     asyncio.ensure_future(self.restart(address))
+            self._check_silence(now, address, ws)
         self.seen = {k: t for k, t in self.seen.items() if k in live}
         self.moved = {a: m for a, m in self.moved.items() if a in self.scheduler.workers}
+
+    def _check_silence(self, now: float, address: str, ws) -> None:
+        """A worker that sent no heartbeat past the deadline of a decoding task it was given
+        (or past ``floor_s``, whatever it holds) is stopped or hung: restarted, its task
+        and its results computed again elsewhere. Its beats cannot tell: none arrive."""
+        silent = now - ws.last_seen
+        if silent <= self.floor_s or address in self.restarting:
+            return
+        tasks = [ts for ts in ws.processing if stage_of(ts.key) in WATCHED]
+        deadline = max((self.deadline_s(ts) for ts in tasks), default=self.floor_s)
+        if silent <= deadline:
+            return
+        self.restarting.add(address)
+        ts = max(tasks, key=self.deadline_s) if tasks else None
+        self.records.append({
+            "time": now, "worker": str(ws.name), "key": str(ts.key) if ts else "",
+            "no_progress_s": silent, "deadline_s": deadline, "no_heartbeat": True,
+            "predicted_s": max(ts.prefix.duration_average, 0.0) if ts else 0.0})
+        asyncio.ensure_future(self.restart(address))
 
     async def restart(self, address: str) -> None:
         """Kill the worker through its nanny, which starts it again (no nanny: removed)."""
