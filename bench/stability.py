@@ -25,7 +25,6 @@ import json
 import os
 import tempfile
 from dataclasses import replace
-from pathlib import Path
 from statistics import mean, pstdev
 
 from rlhfless.pipeline.config import load_config
@@ -34,12 +33,10 @@ from rlhfless.pipeline.train.loop import train
 
 def curve_facts(curve: list[tuple[int, float]], collapse_drop: float) -> dict:
     """Peak, end, the largest drop from a running peak, and the collapse verdict."""
-    peak = run_peak = float("-inf")
-    drop = 0.0
+    peak, drop = float("-inf"), 0.0
     for _, acc in curve:
-        run_peak = max(run_peak, acc)
-        drop = max(drop, run_peak - acc)
         peak = max(peak, acc)
+        drop = max(drop, peak - acc)
     end = curve[-1][1]
     return {"peak": peak, "end": end, "max_drop": drop, "collapsed": peak - end > collapse_drop}
 
