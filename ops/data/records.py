@@ -1,10 +1,10 @@
 """Records: read a prompt source into records and parse each record into a ``Prompt``.
 
-A record is one item of a source: a row of a Parquet file, an Arrow table or a Hugging Face
-``datasets.Dataset``, or a non-blank line of a ``.jsonl`` / ``.json`` file (JSON lines, one
-object per line). ``open_records`` opens any of these and yields each record with ``where``,
-the file and 1-based line (JSONL) or row that messages name. Columns are read as the common
-RL post-training formats write them:
+A record is one item of a source: a row of a Parquet file, an Arrow table, a Hugging Face
+``datasets.Dataset`` or a pandas ``DataFrame``, or a non-blank line of a ``.jsonl`` /
+``.json`` file (JSON lines, one object per line). ``open_records`` opens any of these and
+yields each record with ``where``, the file and 1-based line (JSONL) or row that messages
+name. Columns are read as the common RL post-training formats write them:
 
 - veRL parquet: ``prompt`` is a list of chat messages ``[{"role", "content"}]``, the ground
   truth is ``reward_model.ground_truth``, ``data_source`` names the task and
@@ -15,7 +15,8 @@ RL post-training formats write them:
 The answer is the first of ``reward_model.ground_truth``, ``answer``, ``solution`` that the
 row has; numbers become strings, null stays null. ``prompt_id`` comes from a ``prompt_id``
 or ``id`` field (integers become strings), else ``extra_info.index``, else ``<stem>:<i>``
-with ``<stem>`` the file name without suffix (``table``/``dataset`` for in-memory sources)
+with ``<stem>`` the file name without suffix (``table``/``dataset``/``frame`` for in-memory
+sources)
 and ``<i>`` the 0-based position of the record, bad records included, so an id does not
 change with ``on_bad_row``.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,19 +90,40 @@ def open_records(source: Any) -> tuple[str, str, Iterator[Record]]:
     """Return (name for messages, stem for default ids, records) of any accepted source."""
     if isinstance(source, (str, os.PathLike)):
         return _open_path(Path(source))
+    name, stem, table = in_memory_table(source)
+    return name, stem, _table_records(table, name)
+
+
+def in_memory_table(source: Any) -> tuple[str, str, pa.Table]:
+    """(name for messages, stem for default ids, Arrow table) of an in-memory source: a
+    ``pyarrow.Table``, a ``datasets.Dataset`` or a pandas ``DataFrame`` (its index is not a
+    column); ``TypeError`` naming what is allowed for anything else."""
     if isinstance(source, pa.Table):
-        return "<table>", "table", _table_records(source, "<table>")
+        return "<table>", "table", source
     if isinstance(source, Mapping):
         raise TypeError(
             "got a mapping of splits (a datasets.DatasetDict?); pass one split, e.g. ds['train']"
         )
+    if _is_data_frame(source):
+        try:
+            return "<frame>", "frame", pa.Table.from_pandas(source, preserve_index=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:  # a column of mixed types
+            raise TypeError(f"cannot read prompts from this DataFrame: {err}") from None
     table = _dataset_table(source)
     if table is None:
         raise TypeError(
             f"cannot read prompts from a {type(source).__name__}; allowed: a path to a "
-            f"{', '.join(SUFFIXES)} file, a pyarrow.Table or a datasets.Dataset"
+            f"{', '.join(SUFFIXES)} file, a pyarrow.Table, a datasets.Dataset or a "
+            "pandas.DataFrame"
         )
-    return "<dataset>", "dataset", _table_records(table, "<dataset>")
+    return "<dataset>", "dataset", table
+
+
+def _is_data_frame(source: Any) -> bool:
+    """Whether ``source`` is a pandas ``DataFrame`` (one exists only once pandas is imported,
+    so pandas is not imported for the check)."""
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and isinstance(source, pandas.DataFrame)
 
 
 def _open_path(path: Path) -> tuple[str, str, Iterator[Record]]:

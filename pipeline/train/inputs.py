@@ -4,6 +4,8 @@ key, the problem and the fix.
 
 * ``dataset`` / ``heldout``: a file (not a directory) that exists, when given; a dataset
   ``"reasoning-gym:<task>"``: the package is installed and has the task.
+* ``given_prompts``: prompts given from Python as objects (``train(cfg, dataset=df)``) become
+  files of the run, named by their content, that ``dataset`` / ``heldout`` then point at.
 * ``model``: ``"tiny"`` or a directory with a Hugging Face ``config.json``.
 * ``default_reward``: a built-in verifier; each of ``rewards``: a verifier, a library's
   scorer (``"reasoning-gym:<task>"``), or ``"module:function"`` that imports here and names a
@@ -20,13 +22,19 @@ key, the problem and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from rlhfless.ops.data.records import in_memory_table
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.reward import describe_error
@@ -35,15 +43,64 @@ from ..config import Config, ConfigError, dataset_task
 from ..specs import run_rewards
 from ..tasks.scoring import VERIFIERS, resolve_reward
 
+GIVEN_DIR = "inputs"  # in the run directory: the prompts given as objects (given_prompts)
 
-def check_inputs(cfg: Config) -> None:
-    """Raise ``ConfigError`` for the first path or reward of ``cfg`` that cannot work."""
+
+def given_prompts(cfg: Config, **given: Any) -> tuple[Config, dict[str, pa.Table]]:
+    """``cfg`` with each of ``dataset`` / ``heldout`` given as an in-memory source (a
+    ``pyarrow.Table``, ``datasets.Dataset`` or pandas ``DataFrame``; None: not given) set to
+    the path of its copy in the run, ``<run>/inputs/<key>-<digest>.parquet``, and the table
+    of each key to write there (``write_given_prompts``, once the run directory is held).
+    The name is the rows' digest, so a resume given the same rows names the same file, and
+    one given other rows changes ``dataset``, which a resume refuses. A key both in ``cfg``
+    and given, or an object that is not a source, is a ``ConfigError``."""
+    tables: dict[str, pa.Table] = {}
+    for key, source in given.items():
+        if source is None:
+            continue
+        if getattr(cfg, key):
+            raise ConfigError(f"{key} is given twice: {key} = {getattr(cfg, key)!r} in the "
+                              f"configuration and a {type(source).__name__} to train(); give one")
+        try:
+            table = in_memory_table(source)[2].replace_schema_metadata(None)
+        except TypeError as err:
+            raise ConfigError(f"train({key}=...): {err}") from None
+        tables[key] = table
+        path = cfg.run_dir / GIVEN_DIR / f"{key}-{_digest(table)}.parquet"
+        cfg = replace(cfg, **{key: str(path)})
+    return cfg, tables
+
+
+def write_given_prompts(cfg: Config, tables: dict[str, pa.Table]) -> None:
+    """Write each table of ``given_prompts`` to the path its key has in ``cfg`` (a temporary
+    name renamed into place), unless a resumed run has it already: its name is its content."""
+    for key, table in tables.items():
+        path = Path(getattr(cfg, key))
+        if path.exists():
+            continue
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+
+
+def _digest(table: pa.Table) -> str:
+    """16 hex digits of BLAKE2b over the table's Arrow IPC stream (schema and rows)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.blake2b(sink.getvalue().to_pybytes(), digest_size=8).hexdigest()
+
+
+def check_inputs(cfg: Config, given: frozenset[str] = frozenset()) -> None:
+    """Raise ``ConfigError`` for the first path or reward of ``cfg`` that cannot work; the
+    keys in ``given`` name files ``write_given_prompts`` has yet to write."""
     if cfg.backend == "emulated":
         raise ConfigError("backend = 'emulated' runs a workload trace, not a dataset: use "
                           "rlhfless.pipeline.train.emulated.run_emulated (bench/emulated.py)")
     for key in ("dataset", "heldout"):
         value = getattr(cfg, key)
-        if not value or key == "dataset" and dataset_task(value):
+        if not value or key in given or key == "dataset" and dataset_task(value):
             continue
         path = Path(value)
         if path.is_dir():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -42,7 +43,7 @@ from ..report.bookkeeping import account, evaluate, say_reward_errors, write_led
 from ..report.observe import observed
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
-from .inputs import check_context, check_inputs
+from .inputs import check_context, check_inputs, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
 from .sampler import PromptSampler
 
@@ -71,16 +72,22 @@ def check_finite(record: dict, cfg: Config, run: RunDir, log) -> None:
 
 
 def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print,
-          on_metrics: Callable[[dict], None] | None = None, resume: bool = False) -> RunDir:
+          on_metrics: Callable[[dict], None] | None = None, resume: bool = False,
+          dataset: Any = None, heldout: Any = None) -> RunDir:
     """Run ``cfg.iterations`` iterations in ``cfg.mode``; returns the run directory.
     ``on_metrics`` gets every record appended to metrics.jsonl, as it is appended.
     ``resume``: continue the run in ``cfg.run_dir`` from its newest whole checkpoint.
+    ``dataset`` / ``heldout``: prompts as a ``pyarrow.Table``, ``datasets.Dataset`` or pandas
+    ``DataFrame`` instead of the keys of ``cfg``; the run keeps a copy (``given_prompts``).
     The run directory is locked by this call while it runs (runs.py); a run it replaces is
     put back if this one fails before it records its first iteration."""
     with umask(cfg.run_umask):  # what the run and its local workers write (runs.py)
-        check_inputs(cfg)  # bad paths and rewards fail before the run directory exists
+        cfg, given = given_prompts(cfg, dataset=dataset, heldout=heldout)
+        # bad paths and rewards fail before the run directory exists
+        check_inputs(cfg, given=frozenset(given))
         run = open_run(cfg, overwrite=overwrite, resume=resume)
         try:
+            write_given_prompts(cfg, given)
             _train_in(run, cfg, progress, log, on_metrics, resume)
         except BaseException:
             run.restore_replaced()  # nothing once the first iteration dropped the old run

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -101,3 +102,63 @@ def test_a_run_says_the_split_and_evaluates_on_it(tiny_model_dir, tmp_path, monk
     held = set(split_heldout(pa.Table.from_pylist(rows(40)), 4)[1]
                .column("prompt_id").to_pylist())
     assert len(trained) == 36 and trained.isdisjoint(held)
+
+
+def test_prompts_given_from_python_become_files_of_the_run(tiny_model_dir, tmp_path):
+    """``train(cfg, dataset=obj)``'s first step: each object becomes a Parquet file of the run
+    named by its rows, which the prompt sets then read like any file."""
+    import datasets
+    import pandas as pd
+
+    from rlhfless.pipeline.config import ConfigError
+    from rlhfless.pipeline.train.inputs import check_inputs, given_prompts, write_given_prompts
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path / "runs"), batch_prompts=8)
+    frame = pd.DataFrame(rows(30))
+    held = datasets.Dataset.from_list(rows(35)[30:])
+    resolved, tables = given_prompts(cfg, dataset=frame, heldout=held)
+    inputs = tmp_path / "runs" / "tiny" / "inputs"
+    assert set(tables) == {"dataset", "heldout"}
+    assert Path(resolved.dataset).parent == inputs and Path(resolved.heldout).parent == inputs
+    with pytest.raises(ConfigError, match="dataset = .*no such file"):
+        check_inputs(resolved)  # not yet written
+    check_inputs(resolved, given=frozenset(tables))
+    inputs.parent.mkdir(parents=True)  # the run directory, which train() has opened by now
+    write_given_prompts(resolved, tables)
+    assert sorted(p.name for p in inputs.iterdir()) == sorted(
+        [Path(resolved.dataset).name, Path(resolved.heldout).name])  # no temporary left
+    prompts, heldout, _ = load_prompt_sets(resolved, tiny_model_dir, log=print)
+    assert prompts.column("prompt_id").to_pylist() == [f"mine-{i}" for i in range(30)]
+    assert heldout.column("answer").to_pylist() == ["31", "32", "33", "34", "35"]
+    same, _ = given_prompts(cfg, dataset=pd.DataFrame(rows(30)))
+    other, _ = given_prompts(cfg, dataset=pd.DataFrame(rows(31)))
+    assert same.dataset == resolved.dataset != other.dataset  # the name is the rows'
+    with pytest.raises(ConfigError, match="dataset is given twice"):
+        given_prompts(Config(dataset="mine.jsonl"), dataset=frame)
+    with pytest.raises(ConfigError, match=r"train\(heldout=...\): cannot read prompts from a "
+                                          "list"):
+        given_prompts(cfg, heldout=rows(3))
+
+
+def test_train_takes_a_data_frame_and_resumes_only_with_the_same_rows(tiny_model_dir,
+                                                                      tmp_path):
+    import pandas as pd
+
+    from rlhfless.pipeline.durable.recovery import ResumeError
+    from rlhfless.pipeline.train.loop import train
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path / "runs"), batch_prompts=8,
+                 n_samples=2, iterations=1, max_new_tokens=4, heldout_prompts=4,
+                 gen_workers=1, train_threads=1, rewards={"mine": "exact"})
+    run = train(cfg, progress=False, log=lambda *_: None, dataset=pd.DataFrame(rows(40)))
+    saved = json.loads((run.path / "config.json").read_text())["dataset"]
+    assert Path(saved).parent == run.path / "inputs"
+    assert pq.read_table(saved).column("prompt_id").to_pylist() == [f"mine-{i}"
+                                                                      for i in range(40)]
+    trained = set(pq.read_table(run.path / "rollouts" / "iter-00001.parquet")
+                  .column("prompt_id").to_pylist())
+    assert len(trained) == 8 and trained <= {r["prompt_id"] for r in rows(40)}
+    with pytest.raises(ResumeError, match="dataset"):
+        train(cfg, progress=False, log=lambda *_: None, resume=True,
+              dataset=pd.DataFrame(rows(41)))
+    assert [p.name for p in (run.path / "inputs").iterdir()] == [Path(saved).name]

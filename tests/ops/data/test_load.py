@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -182,29 +181,29 @@ def test_apply_chat_template_wraps_strings(
     assert column(result, "prompt_ids") == [encoded(tokenizer, chat)]
 
 
-class SelectedDataset:
-    """Stands in for a ``datasets.Dataset`` after ``ds.select(range(1, n))``: ``data.table``
-    is still the whole table, ``with_format("arrow")[:]`` gives the selected rows."""
+def test_in_memory_sources(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A real ``datasets.Dataset`` after ``select``/``shuffle`` (an index mapping over the
+    whole table) gives the rows it shows; a pandas frame's index is not a column."""
+    import datasets
+    import pandas as pd
 
-    def __init__(self, table: pa.Table) -> None:
-        self.data = SimpleNamespace(table=table)
-        self.selected = table.slice(1)
-
-    def with_format(self, kind: str) -> SelectedDataset:
-        assert kind == "arrow"
-        return self
-
-    def __getitem__(self, key: slice) -> pa.Table:
-        return self.selected
-
-
-def test_dataset_like_sources(tokenizer: PreTrainedTokenizerFast) -> None:
-    table = pa.table({"prompt": ["p0", "p1", "p2"], "answer": ["0", "1", "2"]})
-    selected = read_prompts(SelectedDataset(table), tokenizer)
-    raw = read_prompts(SimpleNamespace(data=SimpleNamespace(table=table)), tokenizer)
-    assert column(selected, "answer") == ["1", "2"]
-    assert column(raw, "answer") == ["0", "1", "2"]
-    assert column(raw, "prompt_id") == ["dataset:0", "dataset:1", "dataset:2"]
+    data = {"prompt": ["p0", "p1", "p2", "p3"], "answer": ["0", "1", "2", "3"]}
+    full = datasets.Dataset.from_dict(data)
+    assert column(read_prompts(full.select([3, 1]), tokenizer), "answer") == ["3", "1"]
+    shuffled = full.shuffle(seed=0)
+    assert column(read_prompts(shuffled, tokenizer), "answer") == shuffled["answer"]
+    assert column(read_prompts(full, tokenizer), "prompt_id") == [f"dataset:{i}" for i in range(4)]
+    frame = pd.DataFrame(data, index=[10, 11, 12, 13]).iloc[::-1]
+    result = read_prompts(frame, tokenizer)
+    assert column(result, "answer") == ["3", "2", "1", "0"]
+    assert column(result, "prompt_id") == [f"frame:{i}" for i in range(4)]
+    assert "__index_level_0__" not in json.loads(column(result, "record")[0])
+    with pytest.raises(TypeError, match="splits"):
+        read_prompts(datasets.DatasetDict({"train": full}), tokenizer)
+    with pytest.raises(TypeError, match="cannot read prompts from this DataFrame"):
+        read_prompts(pd.DataFrame({"prompt": ["a", 1]}), tokenizer)
+    with pytest.raises(TypeError, match="allowed: a path .* pandas.DataFrame"):
+        read_prompts([{"prompt": "p"}], tokenizer)
 
 
 # -- errors that no policy skips --------------------------------------------------------
