@@ -3,8 +3,10 @@
     "python", "tally-tool"         built in (``env.BUILTIN_ENVIRONMENTS``)
     "skyrl-gym:<id>"               a skyrl-gym environment, unchanged (adapters/skyrl_gym.py)
     "textarena:<env id>"           a single-player TextArena game (adapters/textarena.py)
+    "gymnasium:<module>:<id>"      a Gymnasium text environment (adapters/gymnasium.py)
     "package.module:Class"         a user class: an ``Environment``, or any class with
-                                   ``reset(row)`` and ``step(turn)`` (duck-typed)
+                                   ``reset(row)`` and ``step(turn)`` (duck-typed), or one
+                                   with Gymnasium's ``reset(seed=...)`` (adapted)
 
 ``resolve_environment`` returns a callable that takes the ``env_kwargs`` and returns a fresh
 environment; a name that cannot work raises ``ValueError`` (or what importing raised), so
@@ -18,11 +20,13 @@ from collections.abc import Callable
 from functools import partial
 
 from .adapters import ENVIRONMENT_ADAPTERS, LIBRARY_PREFIX, adapter_of
+from .adapters.gymnasium import GymnasiumEnv, gymnasium_style
 from .env import BUILTIN_ENVIRONMENTS, Environment
 
 
 def resolve_environment(name: str) -> Callable[..., Environment]:
-    """A built-in environment class, an adapter bound to its library id, or a user class."""
+    """A built-in environment class, an adapter bound to its library id, or a user class
+    (bound to the Gymnasium adapter when its ``reset`` is Gymnasium's)."""
     adapter = adapter_of(name, ENVIRONMENT_ADAPTERS)
     if adapter is not None:
         cls, ident = adapter
@@ -48,4 +52,4 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
                          f"{' and no '.join(missing)} method (see ops/rollouts/env.py "
                          "Environment; skyrl-gym and TextArena classes go by "
                          "'skyrl-gym:<id>' / 'textarena:<env id>')")
-    return cls
+    return partial(GymnasiumEnv, cls) if gymnasium_style(cls) else cls

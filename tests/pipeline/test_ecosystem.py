@@ -5,6 +5,8 @@ refuse a bad environment, reward or budget before any worker starts.
   in its rollouts equals reasoning-gym's own ``score_answer`` of the same text.
 * ``environment = "skyrl-gym:gsm8k_multi_turn"``: a real run; every episode's per-turn
   rewards equal the library's own environment stepped with the same turns.
+* ``environment = "gymnasium:gym_envs:rlhfless-test/Guess-v0"``: a real run; every episode
+  replays in the game, seeded by its row, to the same per-turn rewards.
 * One line and exit 2, nothing written, no cluster: an environment module that does not
   import, a class that is not an environment, a skyrl-gym class given by module path,
   ``env_kwargs`` the class does not take, prompt + ``max_new_tokens`` over the context.
@@ -80,6 +82,34 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
     assert stepped >= len(rows)  # every episode's turns reached the environment
 
 
+def test_gymnasium_run_from_config_alone(tiny_model_dir, tmp_path):
+    library("gymnasium")
+    import gym_envs
+
+    data = tmp_path / "guess.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Round {i}.\n", "answer": "0", "seed": i})
+                            + "\n" for i in range(12)))
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="gym",
+                 dataset=str(data), environment="gymnasium:gym_envs:rlhfless-test/Guess-v0",
+                 max_turns=3, max_turn_tokens=8, max_episode_tokens=80, step_cut_turns=True,
+                 **SMALL)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    rows = rollouts(run.path)
+    assert len(rows) == cfg.batch_prompts * cfg.n_samples
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    stepped = 0
+    for row in rows:
+        assert row["env_error"] is None, row["env_error"]
+        own = gym_envs.Guess()
+        own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))  # guess:<i> has seed i
+        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
+                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
+        want = [gym_envs.guess_reward(t, own.target) for t in turns]
+        assert row["turn_rewards"] == want and row["reward"] == sum(want)
+        stepped += len(want)
+    assert stepped >= len(rows)  # every episode's turns reached the game
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
@@ -105,6 +135,7 @@ def train_argv(*sets: str, model=None) -> list[str]:
     (["environment='skyrl_gym.envs.gsm8k.env:GSM8kEnv'"], "name it 'skyrl-gym:<id>'"),
     (["environment='skyrl-gym:nosuch'"], "skyrl-gym has no environment 'nosuch'"),
     (["environment='textarena:NoGame-v0'"], "textarena has no game 'NoGame-v0'"),
+    (["environment='gymnasium:nosuch-v0'"], "gymnasium has no environment 'nosuch-v0'"),
     (["environment='tally-tool'", "env_kwargs={colour='red'}"],
      "cannot be built with env_kwargs = {'colour': 'red'}: TypeError"),
     (["environment='textarena:GuessTheNumber-v0'", "env_kwargs={max_number='x', colour=1}"],

@@ -2,6 +2,8 @@
 
     environment = "skyrl-gym:<id>"         skyrl_gym.py   (skyrl-gym's BaseTextEnv)
     environment = "textarena:<env id>"     textarena.py   (a single-player TextArena game)
+    environment = "gymnasium:<module>:<id>" gymnasium.py  (a Gymnasium text env the module
+                                           registers; a Gymnasium-style class by module path)
     dataset = "reasoning-gym:<task>"       reasoning_gym.py (its generator; its scorer as
                                            the reward "reasoning-gym:<task>")
 
@@ -12,10 +14,12 @@ one is a one-line error naming the package to install. ``_`` spellings of the pr
 
 from __future__ import annotations
 
+from .gymnasium import GymnasiumEnv
 from .skyrl_gym import SkyrlGymEnv
 from .textarena import TextArenaEnv
 
-ENVIRONMENT_ADAPTERS = {"skyrl-gym": SkyrlGymEnv, "textarena": TextArenaEnv}
+ENVIRONMENT_ADAPTERS = {"skyrl-gym": SkyrlGymEnv, "textarena": TextArenaEnv,
+                        "gymnasium": GymnasiumEnv}
 DATASET_ADAPTERS = ("reasoning-gym",)  # dataset and reward names: reasoning_gym.py
 LIBRARY_PREFIX = {"skyrl_gym": "skyrl-gym", "textarena": "textarena",
                   "reasoning_gym": "reasoning-gym"}  # top-level module -> prefix
@@ -35,4 +39,5 @@ def adapter_of(name: str, table):
 
 
 EXAMPLE_IDS = {"skyrl-gym": "gsm8k_multi_turn", "textarena": "GuessTheNumber-v0",
+               "gymnasium": "mytask.envs:Guess-v0",
                "reasoning-gym": "basic_arithmetic"}

@@ -22,6 +22,7 @@ from test_episode import TEXTS, play, runs, turn_tokenizer  # noqa: F401 (a fixt
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.generate import SamplingParams, decode, expand_samples
 from rlhfless.ops.rollouts.adapters import reasoning_gym as rg_adapter
+from rlhfless.ops.rollouts.env import StepResult
 from rlhfless.ops.rollouts.episode import render_messages
 from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.reward import score
@@ -181,3 +182,61 @@ def test_textarena_episodes_replay_in_the_library(long_model, tokenizer):
     # every turn reached the game (step_cut_turns), which ended or was cut by max_turns
     assert {r["turns"] for r in table.to_pylist()} - {1, 2, 3} == set()
     assert sum(len(r["turn_rewards"]) for r in table.to_pylist()) >= len(table)
+
+
+def test_gymnasium_env_by_id_and_by_class():
+    """A registered id (its module imported by name) and a Gymnasium-style class given by
+    module path both play as Gymnasium says: ``reset(seed, options)`` -> (obs, info),
+    ``step`` -> 5 values, terminated or truncated (the id's 3-step limit) ends it."""
+    library("gymnasium")
+    import gym_envs
+
+    by_id = resolve_environment("gymnasium:gym_envs:rlhfless-test/Guess-v0")()
+    assert by_id.reset({"seed": 3, "episode_seed": 1, "prompt_id": "p", "sample_idx": 0}) == \
+        "Guess a number from 0 to 9.\nAnswer:"
+    log = gym_envs.LOG["p#0"]
+    assert log["seed"] == 3  # the row's seed wins over the episode's
+    target = log["target"]
+    first = by_id.step(f" {(target + 1) % 10} items")
+    assert not first.done and first.reward == 0.0 and first.observation.endswith("\nAnswer:")
+    assert by_id.step(f" {target}") == StepResult("", 1.0, True)  # terminated
+    by_id.reset({"episode_seed": 5, "prompt_id": "q", "sample_idx": 1})
+    assert gym_envs.LOG["q#1"]["seed"] == 5  # no row seed: the episode's
+    misses = [g for g in range(10) if g != gym_envs.LOG["q#1"]["target"]][:3]
+    cut = [by_id.step(f" {g}") for g in misses]
+    assert [(s.reward, s.done) for s in cut] == [(0.0, False), (0.0, False), (0.0, True)]
+    by_id.close()
+    by_class = resolve_environment("gym_envs:Guess")(high=3)
+    assert by_class.reset({"episode_seed": 2}) == "Guess a number from 0 to 3.\nAnswer:"
+    with pytest.raises(ValueError, match="no environment 'nosuch-v0' registered"):
+        resolve_environment("gymnasium:nosuch-v0")()
+    with pytest.raises(TypeError):
+        resolve_environment("gymnasium:gym_envs:rlhfless-test/Guess-v0")(colour="red")
+
+
+def test_gymnasium_episodes_replay_in_the_library(model64, turn_tokenizer):  # noqa: F811
+    library("gymnasium")
+    import gym_envs
+
+    source = [{"prompt": text, "answer": "", "seed": s} for s, text in zip((21, 22), TEXTS)]
+    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
+    table, _ = play(model64, turn_tokenizer, prompts,
+                    env="gymnasium:gym_envs:rlhfless-test/Guess-v0", n=2, max_turns=4,
+                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True)
+    assert table.column("env_error").null_count == len(table), table.column("env_error")
+    seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+    hinted = 0
+    for row in table.to_pylist():
+        own = gym_envs.Guess()
+        first, _ = own.reset(seed=seeds[row["prompt_id"]])
+        turns = turns_of(row, turn_tokenizer)[:len(row["turn_rewards"])]
+        want = [gym_envs.guess_reward(t, own.target) for t in turns]
+        assert row["turn_rewards"] == want and row["env_reward"] == sum(want)
+        obs = [row["response_ids"][a:b] for v, a, b in runs(row["loss_mask"]) if v == 0]
+        hints = [own.step(t)[0] for t in turns]
+        # the first observation (after the prompt), then each hint, token-exact
+        assert obs == [turn_tokenizer(text, add_special_tokens=False)["input_ids"]
+                       for text in [first, *hints][:len(obs)]]
+        assert row["turns"] <= 3  # the registered time limit cut it
+        hinted += len(obs) > 1
+    assert hinted > 0  # some episode went past its first guess
