@@ -2,8 +2,8 @@
 the example configurations that ship with the package (``pipeline/examples/*.toml``).
 
 A key's meaning is the comment beside its field in ``pipeline/config.py``, the one place keys
-are declared (an elastic knob's, beside its field in ``schedulers/scaling_policy.py``), read from the
-source: a field without one is an error of ``key_meanings``, so a new key cannot go
+are declared (an elastic knob's, beside its field in ``schedulers/scaling_policy.py``), read
+from the source: a field without one is an error of ``key_meanings``, so a new key cannot go
 undocumented. ``listing()`` is itself a TOML file of the defaults, one ``key = default  #
 meaning`` line per key, in declaration order.
 """

@@ -1,5 +1,6 @@
-"""The scaling policy (``policy = "elastic"``): one pure object that the live runtime and the simulator
-both call. "Scaling policy" is the scheduler's; "policy" alone, in this project, is the RL model.
+"""The scaling policy (``policy = "elastic"``): one pure object that the live runtime and the
+simulator both call. "Scaling policy" is the scheduler's; "policy" alone, in this project, is
+the RL model.
 
 ``ScalingKnobs`` declares the policy's knobs once (the run configuration builds them with
 ``Config.scaling_knobs``; the simulator's ``PolicyConfig`` extends them with which mechanisms

@@ -91,5 +91,6 @@ def test_the_package_has_no_import_cycle():
     mods = modules()
     assert {"rlhfless.pipeline.train.loop", "rlhfless.ops.engine.backend"} <= set(mods)
     graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
-    assert "rlhfless.schedulers.scaling_policy" in graph["rlhfless.pipeline.train.elastic"]  # it does read
+    # it does read the scaling policy
+    assert "rlhfless.schedulers.scaling_policy" in graph["rlhfless.pipeline.train.elastic"]
     assert cycles(graph) == []

@@ -18,7 +18,7 @@ import pyarrow as pa
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.scaling_policy import ScalingPolicy, IterationTimings
+from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingPolicy
 
 from ..cluster.pools import PoolCluster
 from ..config import Config

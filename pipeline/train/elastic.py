@@ -64,7 +64,7 @@ from rlhfless.schedulers.dask.plugin import (
     install_sizing,
 )
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.scaling_policy import ScalingPolicy, IterationTimings
+from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingPolicy
 
 from ..cluster.pools import PoolCluster
 from ..config import Config

@@ -44,9 +44,9 @@ from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.pipeline.tasks import emulated_backend as emu
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.profiles import Profile, get_profile
 from rlhfless.schedulers.scaling import round_robin
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.sim.sim_policy import PAPER_MECHANISMS, PolicyConfig, SimPolicy
 from rlhfless.schedulers.sim.workloads import Batch, Trace
 

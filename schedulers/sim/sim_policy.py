@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from ..migration import Migration, WorkerProgress
-from ..scaling_policy import ScalingKnobs, ScalingPolicy
 from ..profiles import ENGINES, Profile
 from ..scaling import ScalingDecision
+from ..scaling_policy import ScalingKnobs, ScalingPolicy
 from ..throughput import ThroughputModel
 from .workloads import Batch
 

@@ -9,8 +9,8 @@ import pytest
 
 from rlhfless.pipeline.config import Config, ConfigError, load_config
 from rlhfless.schedulers.migration import WorkerProgress
-from rlhfless.schedulers.scaling_policy import ScalingKnobs, ScalingPolicy, IterationTimings
 from rlhfless.schedulers.scaling import choose_generation_workers
+from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingKnobs, ScalingPolicy
 from rlhfless.schedulers.sim.sim_policy import ELASTIC, PolicyConfig
 from rlhfless.schedulers.throughput import ThroughputModel
 
