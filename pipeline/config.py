@@ -81,6 +81,8 @@ class Config:
     on_bad_row: str = "error"  # a malformed row: "error" names it, "skip" counts it
     on_long_prompt: str = "skip"  # over max_prompt_tokens: "error", "truncate" or "skip"
     require_answers: bool = True  # a prompt without ground truth is a bad row
+    prompt_key: str = "prompt"  # your files' prompt column (veRL's data.prompt_key)
+    answer_key: str = ""  # your files' ground truth, dotted if nested; "": the formats' own
     task: str = "tally"  # model = "tiny": tally, tally-tool (multi-turn) or tally-long
     # multi-turn rollouts (ops/rollouts/episode.py): on when environment is set (or task needs one)
     # "python", "tally-tool", "skyrl-gym:<id>", "textarena:<env id>" or "module:Class"
@@ -268,7 +270,11 @@ class Config:
                 and self.environment not in BUILTIN_ENVIRONMENTS:
             raise ConfigError(f"environment = {self.environment!r}: use one of "
                               f"{sorted(BUILTIN_ENVIRONMENTS)}, 'skyrl-gym:<id>', "
-                              "'textarena:<env id>' or 'package.module:Class'")
+                              "'textarena:<env id>', 'gymnasium:<module>:<id>' or "
+                              "'package.module:Class'")
+        if not self.prompt_key:
+            raise ConfigError("prompt_key = '' names no column; give the column of the prompt "
+                              "(default 'prompt')")
         if self.dataset_kwargs and not dataset_task(self.dataset):
             raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
                               "'reasoning-gym:<task>', not a file; remove it")

@@ -120,11 +120,16 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     through ``log``). A ``dataset`` without ``heldout`` keeps its own held-out split
     (``split_heldout``, said through ``log``), never the tiny task's. A source that cannot be
     read, a bad row (under ``on_bad_row = "error"``), a duplicate id, fewer training prompts
-    than a batch or no held-out prompt is a ``ConfigError`` of one line."""
+    than a batch or no held-out prompt is a ``ConfigError`` of one line. ``prompt_key`` and
+    ``answer_key`` name the columns of your files (``dataset``, ``heldout``), not of the tiny
+    task's or a reasoning-gym task's rows."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
               on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
-    train = _read_prompt_set("dataset", dataset_source(cfg, model_path), tokenizer, kw)
+    yours = kw | dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)  # your files' columns
+    own_file = cfg.dataset and not dataset_task(cfg.dataset)
+    train = _read_prompt_set("dataset", dataset_source(cfg, model_path), tokenizer,
+                             yours if own_file else kw)
     source = f"dataset {cfg.dataset or 'of the tiny task'}"
     if len(train.table) == 0:
         raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
@@ -136,7 +141,8 @@ def load_prompt_sets(cfg: Config, model_path: Path,
         held = f" ({n_held} more held out for evaluation: heldout is not given)"
     else:
         heldout = _read_prompt_set(
-            "heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"), tokenizer, kw)
+            "heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"), tokenizer,
+            yours if cfg.heldout else kw)
         heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
         if len(heldout.table) == 0:  # its accuracy would be NaN
             raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "

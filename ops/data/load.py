@@ -74,6 +74,8 @@ def read_prompts(
     on_long_prompt: LongPromptPolicy = "skip",
     apply_chat_template: bool | None = None,
     require_answers: bool = False,
+    prompt_key: str = "prompt",
+    answer_key: str = "",
 ) -> LoadResult:
     """Read ``source`` and tokenise its prompts into a ``schema.PROMPTS`` table.
 
@@ -84,12 +86,14 @@ def read_prompts(
     (``"truncate"``: the question and the generation prompt are at the end) or is dropped
     (``"skip"``). ``apply_chat_template``: None renders chat messages and encodes strings
     as they are; True also wraps strings as one user message; False refuses messages.
-    ``require_answers`` makes a record without a ground truth a bad record.
+    ``require_answers`` makes a record without a ground truth a bad record. ``prompt_key``
+    names the prompt's column, ``answer_key`` the ground truth's (dotted for a nested field;
+    empty: the formats' own columns, ``records.py``).
     """
     _check_options(max_prompt_tokens, on_bad_row, on_long_prompt, apply_chat_template)
     if apply_chat_template:
         _require_chat_template(tokenizer, "apply_chat_template=True")
-    name, stem, records = open_records(source)
+    name, stem, records = open_records(source, prompt_key)
     tally = _Tally()
     prompts: list[Prompt] = []
     first_seen: dict[str, Prompt] = {}
@@ -98,7 +102,7 @@ def read_prompts(
     for record in records:
         n_read += 1
         try:
-            prompt = parse_record(record, stem, render, require_answers)
+            prompt = parse_record(record, stem, render, require_answers, prompt_key, answer_key)
         except BadRow as err:
             if on_bad_row == "error":
                 raise BadRow(f"{record.where}: {err}; pass on_bad_row='skip' to skip it") from None

@@ -86,12 +86,13 @@ class Prompt:
 # -- sources ----------------------------------------------------------------------------
 
 
-def open_records(source: Any) -> tuple[str, str, Iterator[Record]]:
-    """Return (name for messages, stem for default ids, records) of any accepted source."""
+def open_records(source: Any, prompt_key: str = "prompt") -> tuple[str, str, Iterator[Record]]:
+    """Return (name for messages, stem for default ids, records) of any accepted source; a
+    table (Parquet, in memory) must have the ``prompt_key`` column."""
     if isinstance(source, (str, os.PathLike)):
-        return _open_path(Path(source))
+        return _open_path(Path(source), prompt_key)
     name, stem, table = in_memory_table(source)
-    return name, stem, _table_records(table, name)
+    return name, stem, _table_records(table, name, prompt_key)
 
 
 def in_memory_table(source: Any) -> tuple[str, str, pa.Table]:
@@ -126,7 +127,7 @@ def _is_data_frame(source: Any) -> bool:
     return pandas is not None and isinstance(source, pandas.DataFrame)
 
 
-def _open_path(path: Path) -> tuple[str, str, Iterator[Record]]:
+def _open_path(path: Path, prompt_key: str) -> tuple[str, str, Iterator[Record]]:
     """Check the suffix and existence of ``path`` and return its records."""
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
@@ -141,7 +142,7 @@ def _open_path(path: Path) -> tuple[str, str, Iterator[Record]]:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as err:
             raise ValueError(f"{path}: cannot read as Parquet: {err}") from err
-        return str(path), path.stem, _table_records(table, str(path))
+        return str(path), path.stem, _table_records(table, str(path), prompt_key)
     return str(path), path.stem, _jsonl_records(path)
 
 
@@ -160,12 +161,13 @@ def _dataset_table(source: Any) -> pa.Table | None:
     return table if isinstance(table, pa.Table) else None
 
 
-def _table_records(table: pa.Table, name: str) -> Iterator[Record]:
-    """One record per row of ``table``; a table without a ``prompt`` column is an error."""
-    if "prompt" not in table.column_names:
+def _table_records(table: pa.Table, name: str, prompt_key: str) -> Iterator[Record]:
+    """One record per row of ``table``; a table without a ``prompt_key`` column is an error."""
+    if prompt_key not in table.column_names:
         raise ValueError(
-            f"{name}: no 'prompt' column (columns: {table.column_names}); the prompt must be "
-            f"in a column named 'prompt', as {PROMPT_ALLOWED}"
+            f"{name}: no {prompt_key!r} column (columns: {table.column_names}); the prompt "
+            f"must be in that column, as {PROMPT_ALLOWED}, or set prompt_key to the column "
+            "that has it"
         )
     index = 0
     for batch in table.to_batches():
@@ -212,21 +214,25 @@ def parse_record(
     stem: str,
     render: Callable[[str | list[dict], str], str],
     require_answers: bool = False,
+    prompt_key: str = "prompt",
+    answer_key: str = "",
 ) -> Prompt:
     """Validate one record and make its prompt text with ``render(prompt, where)``, which
-    may raise ``BadRow`` too; ``BadRow`` says what is wrong."""
+    may raise ``BadRow`` too; ``BadRow`` says what is wrong. The prompt is the
+    ``prompt_key`` field; the ground truth the ``answer_key`` field (dots reach into nested
+    ones: ``extra_info.answer``) if given, else the first of ``ANSWER_KEYS``' order."""
     if record.error is not None:
         raise BadRow(record.error)
     row = record.row
     if not isinstance(row, dict):
-        raise BadRow(f"record is {_kind(row)}; expected an object with a 'prompt' field")
-    prompt = _parse_prompt(row)
-    answer = _parse_answer(row)
+        raise BadRow(f"record is {_kind(row)}; expected an object with a {prompt_key!r} field")
+    prompt = _parse_prompt(row, prompt_key)
+    answer = _parse_answer(row, answer_key)
     if require_answers and not answer:
-        raise BadRow(
-            "no ground truth ('reward_model.ground_truth', 'answer' or 'solution'); "
-            "set require_answers = false if the reward needs none"
-        )
+        where = repr(answer_key) if answer_key else \
+            "'reward_model.ground_truth', 'answer' or 'solution'; or set answer_key"
+        raise BadRow(f"no ground truth ({where}); set require_answers = false if the reward "
+                     "needs none")
     data_source = row.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
         raise BadRow(f"'data_source' is {_kind(data_source)}; expected a string or null")
@@ -246,20 +252,21 @@ def record_fields(row: dict) -> dict:
     return fields | {k: v for k, v in row.items() if k != "record"}
 
 
-def _parse_prompt(row: dict) -> str | list[dict]:
-    """The record's prompt: a non-blank string or a list of well-formed chat messages."""
-    if "prompt" not in row:
-        raise BadRow(f"no 'prompt' field; expected {PROMPT_ALLOWED}")
-    prompt = row["prompt"]
+def _parse_prompt(row: dict, key: str) -> str | list[dict]:
+    """The record's prompt, field ``key``: a non-blank string or a list of well-formed chat
+    messages."""
+    if key not in row:
+        raise BadRow(f"no {key!r} field; expected {PROMPT_ALLOWED}")
+    prompt = row[key]
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise BadRow(f"'prompt' is empty; expected {PROMPT_ALLOWED}")
+            raise BadRow(f"{key!r} is empty; expected {PROMPT_ALLOWED}")
         return prompt
     if isinstance(prompt, list):
         if not prompt:
-            raise BadRow(f"'prompt' is an empty list; expected {PROMPT_ALLOWED}")
+            raise BadRow(f"{key!r} is an empty list; expected {PROMPT_ALLOWED}")
         return [_parse_message(message, i) for i, message in enumerate(prompt)]
-    raise BadRow(f"'prompt' is {_kind(prompt)}; expected {PROMPT_ALLOWED}")
+    raise BadRow(f"{key!r} is {_kind(prompt)}; expected {PROMPT_ALLOWED}")
 
 
 def _parse_message(message: Any, i: int) -> dict:
@@ -278,9 +285,9 @@ def _parse_message(message: Any, i: int) -> dict:
     return {key: value for key, value in message.items() if value is not None}
 
 
-def _parse_answer(row: dict) -> str | None:
+def _parse_answer(row: dict, answer_key: str) -> str | None:
     """The ground truth as a string (numbers are formatted), or None if the row has none."""
-    key, value = _find_answer(row)
+    key, value = (answer_key, _field(row, answer_key)) if answer_key else _find_answer(row)
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -288,6 +295,16 @@ def _parse_answer(row: dict) -> str | None:
             raise BadRow(f"{key!r} is {value}; expected a string, a finite number or null")
         return str(value)
     raise BadRow(f"{key!r} is {_kind(value)}; expected a string, a number or null")
+
+
+def _field(row: dict, path: str) -> Any:
+    """The value at the dotted ``path`` of ``row`` (``extra_info.answer``), None if absent."""
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def _find_answer(row: dict) -> tuple[str, Any]:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.specs import load_prompt_sets, split_heldout
 
 
@@ -74,6 +74,33 @@ def test_a_heldout_file_or_the_tiny_task_is_used_as_before(tiny_model_dir, tmp_p
     _, heldout, _ = load_prompt_sets(tiny, tiny_model_dir, log=said.append)
     assert set(heldout.column("data_source").to_pylist()) == {"tally"} and len(heldout) == 5
     assert said == []
+
+
+def test_column_keys_apply_to_your_files_only(tiny_model_dir, tmp_path):
+    """``prompt_key``/``answer_key`` read your dataset and heldout by their columns, and
+    leave the tiny task's held-out prompts (which have ``prompt``) as they are."""
+    mapped = [{"question": r["prompt"], "meta": {"truth": r["answer"]}, "prompt_id": r["prompt_id"]}
+              for r in rows(30)]
+    data = write(tmp_path / "q.jsonl", mapped[:20])
+    held = write(tmp_path / "h.jsonl", mapped[20:])
+    cfg = Config(model=str(tiny_model_dir), dataset=str(data), heldout=str(held),
+                 batch_prompts=8, prompt_key="question", answer_key="meta.truth")
+    prompts, heldout, _ = load_prompt_sets(cfg, tiny_model_dir, log=print)
+    assert prompts.column("answer").to_pylist() == [str(i + 1) for i in range(20)]
+    assert heldout.column("answer").to_pylist() == [str(i + 1) for i in range(20, 30)]
+    only_data = Config(model=str(tiny_model_dir), dataset=str(data), batch_prompts=8,
+                       prompt_key="question", answer_key="meta.truth")
+    assert len(load_prompt_sets(only_data, tiny_model_dir, log=print)[1]) == 2  # own split
+    tiny = Config(model=str(tiny_model_dir), batch_prompts=8, heldout_prompts=5,
+                  prompt_key="question", answer_key="meta.truth")
+    _, tiny_heldout, _ = load_prompt_sets(tiny, tiny_model_dir, log=print)
+    assert len(tiny_heldout) == 5 and None not in tiny_heldout.column("answer").to_pylist()
+    with pytest.raises(ConfigError, match="dataset: .*no 'question' field"):
+        load_prompt_sets(Config(model=str(tiny_model_dir), dataset=str(write(
+            tmp_path / "plain.jsonl", rows(20))), batch_prompts=8, prompt_key="question"),
+            tiny_model_dir, log=print)
+    with pytest.raises(ConfigError, match="prompt_key = '' names no column"):
+        Config(prompt_key="")
 
 
 @pytest.mark.slow  # a real run; the two tests above check the split without a cluster

@@ -181,6 +181,35 @@ def test_apply_chat_template_wraps_strings(
     assert column(result, "prompt_ids") == [encoded(tokenizer, chat)]
 
 
+def test_column_mapping_names_the_prompt_and_the_answer(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """``prompt_key`` / ``answer_key`` (veRL's ``data.prompt_key``): another column, a dotted
+    path into a nested one, and the given key wins over ``reward_model.ground_truth``."""
+    rows = [{"question": "what is 2?", "extra_info": {"answer": 2},
+             "reward_model": {"ground_truth": "not this"}},
+            {"question": "what is 3?", "extra_info": {"answer": 3}}]
+    path = write_jsonl(tmp_path / "q.jsonl", rows)
+    parquet = tmp_path / "q.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for source in (path, parquet):
+        result = read_prompts(source, tokenizer, prompt_key="question",
+                              answer_key="extra_info.answer", require_answers=True)
+        assert column(result, "answer") == ["2", "3"]
+        assert column(result, "prompt_ids") == [encoded(tokenizer, r["question"]) for r in rows]
+        assert json.loads(column(result, "record")[0])["question"] == "what is 2?"
+    # without the mapping the same rows are read by the formats' own columns
+    assert column(read_prompts(parquet, tokenizer, prompt_key="question"), "answer")[0] == \
+        "not this"
+    with pytest.raises(ValueError, match="no 'prompt' column .* set prompt_key"):
+        read_prompts(parquet, tokenizer)
+    with pytest.raises(BadRow, match="no 'prompt' field"):
+        read_prompts(path, tokenizer)
+    with pytest.raises(BadRow, match=r"no ground truth \('extra_info.missing'\)"):
+        read_prompts(path, tokenizer, prompt_key="question", answer_key="extra_info.missing",
+                     require_answers=True)
+
+
 def test_in_memory_sources(tokenizer: PreTrainedTokenizerFast) -> None:
     """A real ``datasets.Dataset`` after ``select``/``shuffle`` (an index mapping over the
     whole table) gives the rows it shows; a pandas frame's index is not a column."""
