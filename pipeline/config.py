@@ -85,9 +85,12 @@ class Config:
     answer_key: str = ""  # your files' ground truth, dotted if nested; "": the formats' own
     task: str = "tally"  # model = "tiny": tally, tally-tool (multi-turn) or tally-long
     # multi-turn rollouts (ops/rollouts/episode.py): on when environment is set (or task needs one)
-    # "python", "tally-tool", "skyrl-gym:<id>", "textarena:<env id>" or "module:Class"
+    # "python", "tally-tool", "skyrl-gym:<id>", "textarena:<env id>", "gymnasium:<module>:<id>"
+    # or "module:Class"
     environment: str = ""  # the multi-turn environment (see above); empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
+    # data_source -> an environment name, or {environment = name, env_kwargs = {...}}
+    environments: dict[str, Any] = field(default_factory=dict)  # per data_source (see above)
     max_turns: int = 4  # model turns per episode
     max_turn_tokens: int = 64  # tokens the model generates per turn
     max_episode_tokens: int = 192  # generated + observation tokens after the prompt
@@ -278,7 +281,8 @@ class Config:
         if self.dataset_kwargs and not dataset_task(self.dataset):
             raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
                               "'reasoning-gym:<task>', not a file; remove it")
-        if self.backend == "vllm" and self.episode_environment:
+        self.environment_routes()  # raises for a malformed [environments] entry
+        if self.backend == "vllm" and self.multi_turn:
             raise ConfigError("multi-turn rollouts (environment) run on backend = 'hf': the "
                               "episode loop keeps each turn's KV cache in our decode loop")
         if self.backend == "vllm" and self.policy == "elastic":
@@ -295,6 +299,26 @@ class Config:
         if self.environment:
             return self.environment
         return "tally-tool" if self.task == "tally-tool" and self.model == "tiny" else ""
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are episodes: an environment, for every row or for some sources."""
+        return bool(self.episode_environment or self.environments)
+
+    def environment_routes(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """``environments`` as ``{data_source: (environment, env_kwargs)}``; ``ConfigError``
+        naming an entry that is neither a name nor ``{environment, env_kwargs}``."""
+        routes = {}
+        for source, entry in self.environments.items():
+            name, kwargs = (entry, {}) if isinstance(entry, str) else (
+                (entry.get("environment"), entry.get("env_kwargs", {}))
+                if isinstance(entry, dict) and set(entry) <= {"environment", "env_kwargs"}
+                else (None, None))
+            if not isinstance(name, str) or not name or not isinstance(kwargs, dict):
+                raise ConfigError(f"environments.{source} = {entry!r}: give an environment name "
+                                  "or {environment = \"name\", env_kwargs = {...}}")
+            routes[source] = (name, kwargs)
+        return routes
 
     @property
     def overlaps(self) -> bool:

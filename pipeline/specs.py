@@ -107,11 +107,11 @@ def dataset_source(cfg: Config, model_path: Path) -> str | Path | pa.Table:
 
 def episode_params(cfg: Config) -> EpisodeParams | None:
     """Multi-turn rollouts' settings, or None for single-turn generation."""
-    if not cfg.episode_environment:
+    if not cfg.multi_turn:
         return None
     return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
                          cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s,
-                         step_cut_turns=cfg.step_cut_turns)
+                         step_cut_turns=cfg.step_cut_turns, routes=cfg.environment_routes())
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,

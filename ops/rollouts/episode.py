@@ -74,7 +74,7 @@ _ENV_POOL: list[ThreadPoolExecutor] = []  # made on first use, kept for the proc
 
 @dataclass(frozen=True)
 class EpisodeParams:
-    environment: str  # built-in name (ops/rollouts/env.py) or "module:Class"
+    environment: str  # resolve.py: a name or "module:Class"; "": only the routes
     env_kwargs: dict = field(default_factory=dict)
     max_turns: int = 4
     max_turn_tokens: int = 64
@@ -82,6 +82,8 @@ class EpisodeParams:
     step_timeout_s: float = 10.0
     keep_kv: bool = True  # False: re-prefill the conversation every turn (the baseline)
     step_cut_turns: bool = False  # True: a turn cut at max_turn_tokens still goes to step
+    # data_source -> (environment, env_kwargs); a row of another source gets ``environment``
+    routes: dict[str, tuple[str, dict]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
@@ -159,8 +161,13 @@ def _env_call(ep: _Episode, fn, *args) -> _Call:
     return _Call(ep, _ENV_POOL[0].submit(_timed, ep, fn, *args), time.perf_counter())
 
 
-def _open(ep: _Episode, make, params: EpisodeParams):
-    ep.env = make(**params.env_kwargs)
+def _open(ep: _Episode, makers: dict, params: EpisodeParams):
+    source = ep.row.get("data_source")
+    make, kwargs = makers.get(source) or makers.get(None) or (None, None)
+    if make is None:
+        raise ValueError(f"data_source {source!r} has no environment (routes: "
+                         f"{sorted(params.routes)}) and there is no default environment")
+    ep.env = make(**kwargs)
     observation = ep.env.reset(dict(ep.row))
     if observation is not None:
         check_observation(observation, "reset")
@@ -225,7 +232,10 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     trajectory as ``response_ids``) plus ``schema.EPISODES``."""
     stats = stats if stats is not None else GenerationStats()
     est = EpisodeStats()
-    make = resolve_environment(params.environment)
+    makers = {source: (resolve_environment(name), kwargs)
+              for source, (name, kwargs) in params.routes.items()}
+    if params.environment:
+        makers[None] = (resolve_environment(params.environment), params.env_kwargs)
     rows = expand_samples(prompts, n_samples)
     start = time.time()
     prompt_ids = rows.column("prompt_ids").to_pylist()
@@ -237,7 +247,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
            for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts, keys)]
     eos = tokenizer.eos_token_id
     timeout = params.step_timeout_s
-    for call in [_env_call(ep, _open, ep, make, params) for ep in eps]:
+    for call in [_env_call(ep, _open, ep, makers, params) for ep in eps]:
         try:
             _observe(call.ep, call.result(timeout), tokenizer, params, est)
         except BaseException as err:  # user code: recorded, this episode only

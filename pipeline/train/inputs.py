@@ -129,21 +129,42 @@ def _working_directory_on_path() -> None:
 
 
 def check_environment(cfg: Config) -> None:
-    """The environment of ``cfg`` resolves here and one is built with ``env_kwargs``."""
-    name = cfg.episode_environment
-    if not name:
+    """Each environment of ``cfg`` (``environment``, and each of ``environments``) resolves
+    here and one is built with its ``env_kwargs``."""
+    checks = [(f"environments.{source}", name, kwargs)
+              for source, (name, kwargs) in cfg.environment_routes().items()]
+    if cfg.episode_environment:
+        checks.insert(0, ("environment", cfg.episode_environment, cfg.env_kwargs))
+    for key, name, kwargs in checks:
+        _check_one_environment(key, name, kwargs)
+
+
+def check_routes(cfg: Config, prompts: dict) -> None:
+    """With ``environments`` and no ``environment``, every ``data_source`` of the prompt sets
+    has an environment; the first without one is named."""
+    if not cfg.environments or cfg.episode_environment:
         return
+    for name, table in prompts.items():
+        for source in pc.unique(table.column("data_source")).to_pylist():
+            if source not in cfg.environments:
+                raise ConfigError(f"{name}: data_source {source!r} has no environment; add it "
+                                  f"to [environments] ({', '.join(sorted(cfg.environments))} "
+                                  "have one) or set environment for every other source")
+
+
+def _check_one_environment(key: str, name: str, kwargs: dict) -> None:
+    """``name`` resolves and one is built with ``kwargs`` (and closed); ``key`` names it."""
     _working_directory_on_path()
     try:
         make = resolve_environment(name)
     except Exception as err:  # the user's module may raise anything while importing
-        raise ConfigError(f"environment = {name!r} cannot be used: {describe_error(err)}"
+        raise ConfigError(f"{key} = {name!r} cannot be used: {describe_error(err)}"
                           ) from None
     try:
-        env = make(**cfg.env_kwargs)
+        env = make(**kwargs)
     except Exception as err:
-        raise ConfigError(f"environment = {name!r} cannot be built with env_kwargs = "
-                          f"{cfg.env_kwargs}: {describe_error(err)}") from None
+        raise ConfigError(f"{key} = {name!r} cannot be built with env_kwargs = "
+                          f"{kwargs}: {describe_error(err)}") from None
     close = getattr(env, "close", None)
     if callable(close):
         try:
@@ -159,7 +180,7 @@ def check_context(cfg: Config, model_path: Path, prompts: dict) -> None:
         "max_position_embeddings")
     if not isinstance(limit, int):
         return
-    after, key = ((cfg.max_episode_tokens, "max_episode_tokens") if cfg.episode_environment
+    after, key = ((cfg.max_episode_tokens, "max_episode_tokens") if cfg.multi_turn
                   else (cfg.max_new_tokens, "max_new_tokens"))
     for name, table in prompts.items():
         lengths = pc.list_value_length(table.column("prompt_ids")).to_pylist()

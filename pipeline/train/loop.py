@@ -43,7 +43,7 @@ from ..report.bookkeeping import account, evaluate, say_reward_errors, write_led
 from ..report.observe import observed
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
-from .inputs import check_context, check_inputs, given_prompts, write_given_prompts
+from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
 from .sampler import PromptSampler
 
@@ -102,6 +102,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})
+    check_routes(cfg, {"dataset": prompts, "heldout": heldout})
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
                         **counts})
     specs = mode_specs(make_specs(cfg, model_path, run), cfg)

@@ -82,6 +82,38 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
     assert stepped >= len(rows)  # every episode's turns reached the environment
 
 
+def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_path):
+    """``[environments]``: the guessing game for one source, a scripted one (its own
+    ``env_kwargs``) for the other, in one batch."""
+    library("gymnasium")
+    import gym_envs
+
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Round {i}.\n", "answer": "0", "seed": i,
+                                        "data_source": ("guess", "chat")[i % 2]}) + "\n"
+                            for i in range(12)))
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="mixed",
+                 dataset=str(data), max_turns=3, max_turn_tokens=8, max_episode_tokens=80,
+                 step_cut_turns=True, environments={
+                     "guess": "gymnasium:gym_envs:rlhfless-test/Guess-v0",
+                     "chat": {"environment": "episode_envs:Scripted", "env_kwargs": {"turns": 2}}},
+                 **SMALL)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sources = set()
+    for row in rollouts(run.path):
+        assert row["env_error"] is None, row["env_error"]
+        sources.add(row["data_source"])
+        if row["data_source"] == "chat":
+            assert row["turn_rewards"] == [0.25, 0.25]  # Scripted(turns=2)
+            continue
+        own = gym_envs.Guess()
+        own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))
+        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
+                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
+        assert row["turn_rewards"] == [gym_envs.guess_reward(t, own.target) for t in turns]
+
+
 def test_gymnasium_run_from_config_alone(tiny_model_dir, tmp_path):
     library("gymnasium")
     import gym_envs
@@ -142,6 +174,11 @@ def train_argv(*sets: str, model=None) -> list[str]:
      "cannot be built with env_kwargs = {'max_number': 'x', 'colour': 1}: TypeError"),
     (["dataset='reasoning-gym:nosuch'"], "reasoning-gym has no task 'nosuch'"),
     (["rewards={tally='nosuch_mod:fn'}"], "does not import (ModuleNotFoundError"),
+    (["environments={tally='nosuch_mod:Env'}"],
+     "environments.tally = 'nosuch_mod:Env' cannot be used: ModuleNotFoundError"),
+    (["environments={tally={environment='tally-tool', env_kwargs={colour=1}}}"],
+     "environments.tally = 'tally-tool' cannot be built with env_kwargs = {'colour': 1}"),
+    (["environments={tally=3}"], "environments.tally = 3: give an environment name"),
 ])
 def test_bad_environment_or_reward_is_refused_before_anything_starts(workdir, capsys, sets,
                                                                      says):
@@ -163,6 +200,14 @@ def test_prompt_and_budget_over_the_context_is_refused_before_the_cluster(workdi
                                             model=tiny_model_dir))
     assert "+ max_new_tokens = 200" in err and "over the model's context of 128" in err, err
     assert "prompt '" in err  # the worst prompt is named
+    assert not list((workdir / "runs" / "x").glob("rollouts/*"))  # nothing generated
+
+
+def test_a_data_source_without_an_environment_is_refused_before_the_cluster(workdir, capsys,
+                                                                           tiny_model_dir):
+    err = one_line_error(capsys, train_argv("environments={other='tally-tool'}",
+                                            "max_episode_tokens=64", model=tiny_model_dir))
+    assert "data_source 'tally' has no environment" in err and "other have one" in err, err
     assert not list((workdir / "runs" / "x").glob("rollouts/*"))  # nothing generated
 
 

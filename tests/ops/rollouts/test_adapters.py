@@ -240,3 +240,34 @@ def test_gymnasium_episodes_replay_in_the_library(model64, turn_tokenizer):  # n
         assert row["turns"] <= 3  # the registered time limit cut it
         hinted += len(obs) > 1
     assert hinted > 0  # some episode went past its first guess
+
+
+def test_an_environment_per_data_source(model64, turn_tokenizer):  # noqa: F811
+    """``routes``: each row's episode is played in its ``data_source``'s environment, with
+    that route's kwargs; a source without one, and no default, fails its episodes only."""
+    library("gymnasium")
+    import episode_envs
+
+    source = [{"prompt": TEXTS[0], "answer": "", "data_source": "guess", "seed": 4},
+              {"prompt": TEXTS[1], "answer": "", "data_source": "chat"},
+              {"prompt": TEXTS[2], "answer": "", "data_source": "other"}]
+    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
+    episode_envs.LOG.clear()
+    table, _ = play(model64, turn_tokenizer, prompts, env="", n=2, max_turns=3,
+                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True,
+                    routes={"guess": ("gymnasium:gym_envs:rlhfless-test/Guess-v0", {}),
+                            "chat": ("episode_envs:Scripted", {"turns": 1})})
+    by_source = {}
+    for row in table.to_pylist():
+        by_source.setdefault(row["data_source"], []).append(row)
+    first = turn_tokenizer("Guess a number from 0 to 9.\nAnswer:",
+                           add_special_tokens=False)["input_ids"]
+    for row in by_source["guess"]:
+        assert row["env_error"] is None
+        assert row["response_ids"][:len(first)] == first  # the game's reset, then the turns
+    for row in by_source["chat"]:
+        assert row["env_error"] is None and row["turn_rewards"] == [0.25]  # Scripted, 1 turn
+        assert f"{row['prompt_id']}#{row['sample_idx']}" in episode_envs.LOG
+    assert len(episode_envs.LOG) == 2  # only the chat rows reached Scripted
+    for row in by_source["other"]:
+        assert "data_source 'other' has no environment" in row["env_error"]
