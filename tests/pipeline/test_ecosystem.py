@@ -5,8 +5,10 @@ refuse a bad environment, reward or budget before any worker starts.
   in its rollouts equals reasoning-gym's own ``score_answer`` of the same text.
 * ``environment = "skyrl-gym:gsm8k_multi_turn"``: a real run; every episode's per-turn
   rewards equal the library's own environment stepped with the same turns.
-* ``environment = "gymnasium:gym_envs:rlhfless-test/Guess-v0"``: a real run; every episode
-  replays in the game, seeded by its row, to the same per-turn rewards.
+* ``environment = "gymnasium:gym_envs:rlhfless-test/Guess-v0"`` with ``[environments]``
+  routing one ``data_source`` elsewhere: a real run; every game episode replays in the game,
+  seeded by its row, to the same per-turn rewards, and the other source's rows played in
+  their own environment.
 * One line and exit 2, nothing written, no cluster: an environment module that does not
   import, a class that is not an environment, a skyrl-gym class given by module path,
   ``env_kwargs`` the class does not take, prompt + ``max_new_tokens`` over the context.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_adapters import library, runs
+from test_adapters import library, turns_of
 from test_hostile_inputs import one_line_error, snapshot
 from transformers import AutoTokenizer
 
@@ -73,8 +75,7 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
         own = skyrl.make("gsm8k_multi_turn", env_config={},
                          extras={"reward_spec": {"ground_truth": row["answer"]},
                                  "extra_info": {}})
-        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
-                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
+        turns = turns_of(row, tok)[:len(row["turn_rewards"])]
         want = [own.step(t)["reward"] for t in turns]
         assert row["turn_rewards"] == want
         assert row["reward"] == sum(want)
@@ -83,8 +84,8 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
 
 
 def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_path):
-    """``[environments]``: the guessing game for one source, a scripted one (its own
-    ``env_kwargs``) for the other, in one batch."""
+    """``environment = "gymnasium:..."`` for every row, but ``[environments]`` gives the
+    "chat" source a scripted one with its own ``env_kwargs``: one batch plays both."""
     library("gymnasium")
     import gym_envs
 
@@ -94,10 +95,10 @@ def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_pa
                             for i in range(12)))
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="mixed",
                  dataset=str(data), max_turns=3, max_turn_tokens=8, max_episode_tokens=80,
-                 step_cut_turns=True, environments={
-                     "guess": "gymnasium:gym_envs:rlhfless-test/Guess-v0",
-                     "chat": {"environment": "episode_envs:Scripted", "env_kwargs": {"turns": 2}}},
-                 **SMALL)
+                 step_cut_turns=True, environment="gymnasium:gym_envs:rlhfless-test/Guess-v0",
+                 environments={"chat": {"environment": "episode_envs:Scripted",
+                                        "env_kwargs": {"turns": 2}}},
+                 **SMALL | {"batch_prompts": 11})  # all 11 training prompts: both sources
     run = train(cfg, progress=False, log=lambda *_: None)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     sources = set()
@@ -109,37 +110,10 @@ def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_pa
             continue
         own = gym_envs.Guess()
         own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))
-        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
-                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
+        turns = turns_of(row, tok)[:len(row["turn_rewards"])]
         assert row["turn_rewards"] == [gym_envs.guess_reward(t, own.target) for t in turns]
-
-
-def test_gymnasium_run_from_config_alone(tiny_model_dir, tmp_path):
-    library("gymnasium")
-    import gym_envs
-
-    data = tmp_path / "guess.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Round {i}.\n", "answer": "0", "seed": i})
-                            + "\n" for i in range(12)))
-    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="gym",
-                 dataset=str(data), environment="gymnasium:gym_envs:rlhfless-test/Guess-v0",
-                 max_turns=3, max_turn_tokens=8, max_episode_tokens=80, step_cut_turns=True,
-                 **SMALL)
-    run = train(cfg, progress=False, log=lambda *_: None)
-    rows = rollouts(run.path)
-    assert len(rows) == cfg.batch_prompts * cfg.n_samples
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    stepped = 0
-    for row in rows:
-        assert row["env_error"] is None, row["env_error"]
-        own = gym_envs.Guess()
-        own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))  # guess:<i> has seed i
-        turns = [tok.decode(row["response_ids"][a:b], skip_special_tokens=True)
-                 for v, a, b in runs(row["loss_mask"]) if v == 1][:len(row["turn_rewards"])]
-        want = [gym_envs.guess_reward(t, own.target) for t in turns]
-        assert row["turn_rewards"] == want and row["reward"] == sum(want)
-        stepped += len(want)
-    assert stepped >= len(rows)  # every episode's turns reached the game
+        assert row["reward"] == sum(row["turn_rewards"])
+    assert sources == {"guess", "chat"}
 
 
 @pytest.fixture
