@@ -81,6 +81,13 @@ class Environment(ABC):
         return None
 
 
+def row_seed(row: dict) -> int:
+    """The seed of a seeded game for ``row``: the row's own integer ``seed`` column if it has
+    one, else the episode's ``episode_seed``."""
+    seed = row.get("seed")
+    return int(seed) if isinstance(seed, int) else int(row["episode_seed"])
+
+
 def check_step(result: object) -> StepResult:
     """``result`` as a ``StepResult`` (a ``(observation, reward, done)`` tuple is accepted);
     ``TypeError`` naming what is wrong otherwise."""

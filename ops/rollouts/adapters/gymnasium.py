@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..env import Environment, StepResult
+from ..env import Environment, StepResult, row_seed
 from .library import import_library
 
 
@@ -53,10 +53,8 @@ class GymnasiumEnv(Environment):
         self.takes_options = "options" in inspect.signature(self.env.reset).parameters
 
     def reset(self, row: dict) -> Any:
-        seed = row.get("seed")
-        seed = seed if isinstance(seed, int) else int(row["episode_seed"])
         options = {"options": {"row": row}} if self.takes_options else {}
-        result = self.env.reset(seed=seed, **options)
+        result = self.env.reset(seed=row_seed(row), **options)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"reset returned {type(result).__name__}, expected Gymnasium's "
                             "(observation, info)")

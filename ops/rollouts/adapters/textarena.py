@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from ..env import Environment, StepResult
+from ..env import Environment, StepResult, row_seed
 from .library import import_library
 
 _RESET_LOCK = threading.Lock()  # TextArena's reset seeds and draws from the global random
@@ -38,11 +38,9 @@ class TextArenaEnv(Environment):
         self.seen, self.closed, self.started = "", False, False
 
     def reset(self, row: dict) -> list[dict]:
-        seed = row.get("seed")
-        seed = int(seed) if isinstance(seed, int) else int(row["episode_seed"])
         self.started = True
         with _RESET_LOCK:
-            self.env.reset(num_players=1, seed=seed)
+            self.env.reset(num_players=1, seed=row_seed(row))
         return self._observation()
 
     def _observation(self) -> list[dict]:
