@@ -259,9 +259,6 @@ class Config:
         if self.colocate and (self.device == "cpu" or not cuda_available()):
             raise ConfigError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
                               "frees the device for the trainer, does not run on CPU")
-        if self.backend == "vllm" and self.top_p < 1:
-            raise ConfigError(f"top_p = {self.top_p} with backend = 'vllm': its logprobs are "
-                              "renormalised over the nucleus, the trainer's are not; use 1")
         if self.lora_rank < 0 or self.lora_rank and not (self.lora_alpha > 0
                                                          and self.lora_target_modules):
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "

@@ -64,7 +64,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
                             cfg.colocate, lora, cfg.gen_dtype, cfg.gpu_memory_utilization)
     update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                          temperature=cfg.temperature, micro_batch_tokens=cfg.micro_batch_tokens,
+                          temperature=cfg.temperature, top_p=cfg.top_p,
+                          micro_batch_tokens=cfg.micro_batch_tokens,
                           max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
     episodes = episode_params(cfg)
     return Specs(

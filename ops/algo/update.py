@@ -68,6 +68,7 @@ class UpdateParams:
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # > 0 needs a frozen reference model
     temperature: float = 1.0  # the sampling temperature: logprobs must match the behaviour's
+    top_p: float = 1.0  # the sampling nucleus: logprobs are renormalised over it, as behaviour's
     micro_batch_tokens: int = 8192
     max_grad_norm: float = 1.0
     epochs: int = 1
@@ -220,7 +221,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
             if params.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = response_logprobs(ref_model, mb_prompts, mb_responses, pad_id,
-                                               params.temperature)
+                                               params.temperature, params.top_p)
 
             def chunk_loss(rows: list[int], logp: torch.Tensor, scored: torch.Tensor,
                            mb: list[int] = mb, ref: torch.Tensor | None = ref) -> torch.Tensor:
@@ -249,7 +250,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                 return parts.loss * scale
 
             backward_logprobs(model, mb_prompts, mb_responses, pad_id, params.temperature,
-                              chunk_loss, pad_passes=agreed - chunks[k])
+                              chunk_loss, pad_passes=agreed - chunks[k], top_p=params.top_p)
         if ranks is not None:
             sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)

@@ -24,16 +24,66 @@ from the prompt pass's KV and last logits; the prompt pass's last, with the grad
 leaves gathered). A micro-batch is then the sequence of model calls F (F B)^c B, c the
 chunks with more than one response token (``chunk_passes``): FSDP2 ranks, whose collectives
 run in those calls, agree on it and pad with ``zero_loss`` passes (``ops/algo/parallel.py``).
+
+Every log-probability here, as in generation, is that of the behaviour policy:
+``policy_logprobs`` of the temperature-scaled logits, renormalised over the top-p nucleus
+when ``top_p < 1`` (the convention of both engines: the HF decode loop and vLLM's
+``processed_logprobs``).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+
+# log of float32's smallest normal: the trainer's log-probability of a token outside its own
+# nucleus (possible once the weights moved); exp of a difference of two values in
+# [LOGPROB_FLOOR, 0] is at most about 1 / tiny (8.5e37), finite in float32.
+LOGPROB_FLOOR = math.log(torch.finfo(torch.float32).tiny)  # -87.34
+
+
+def nucleus_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] True where a token is outside the top-p nucleus of ``softmax(scaled)``.
+
+    vLLM's rule (``apply_top_k_top_p_pytorch``), computed as it does: sort ascending, cumulate
+    the probabilities, drop a token while the cumulative sum up to and including it is
+    <= 1 - top_p (``top_p`` in float32, as vLLM holds it); the most likely token is always
+    kept. So a token is dropped when the tokens above it already hold >= top_p of the mass,
+    and the boundary token, the one whose own mass brings the nucleus to top_p, is kept.
+    No gradient: the mask is a constant of the logits."""
+    with torch.no_grad():
+        ascending, order = scaled.sort(dim=-1)
+        cum = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - torch.tensor(top_p, dtype=torch.float32).item()
+        drop[..., -1] = False
+        return torch.zeros_like(drop).scatter_(-1, order, drop)
+
+
+def policy_logprobs(logits: torch.Tensor, temperature: float,
+                    top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> [..., V] log-probabilities of the behaviour policy: the
+    temperature-scaled softmax, and with ``top_p < 1`` its nucleus (``nucleus_mask``) alone,
+    renormalised: tokens outside get -inf. Gradients flow through the kept logits; at
+    ``top_p = 1`` this is ``log_softmax(logits / temperature)`` exactly."""
+    scaled = logits / temperature
+    if top_p < 1:
+        scaled = scaled.masked_fill(nucleus_mask(scaled.detach(), top_p), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits, [...] tokens -> [...] ``policy_logprobs`` of the tokens. With
+    ``top_p < 1`` a token outside the nucleus gets ``LOGPROB_FLOOR``, not -inf, so that the
+    update's ratio and KL stay finite (the ratio then clips) and its gradient is 0."""
+    logp = policy_logprobs(logits, temperature, top_p).gather(-1, tokens[..., None])
+    logp = logp.squeeze(-1)
+    return logp if top_p >= 1 else logp.clamp(min=LOGPROB_FLOOR)
 
 
 def forward_with_cache(model, cache: DynamicCache, **inputs):
@@ -85,7 +135,7 @@ class _PromptPass:
     mask: torch.Tensor  # [U, P]
 
     def continue_with(self, model, owner: torch.Tensor, responses: list[list[int]],
-                      pad_id: int, temperature: float) -> torch.Tensor:
+                      pad_id: int, temperature: float, top_p: float = 1.0) -> torch.Tensor:
         """[b, r] log-probabilities of ``responses``, row i continuing prompt ``owner[i]``."""
         ids, mask = (t.to(owner.device) for t in right_pad(responses, pad_id))
         logits = self.last_logits[owner][:, None]  # [b, 1, V]: each first token
@@ -100,8 +150,7 @@ class _PromptPass:
                 position_ids=starts + torch.arange(width - 1, device=owner.device))
             logits = torch.cat([logits, out.logits], dim=1)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        return logp.gather(-1, ids[..., None]).squeeze(-1)
+        return token_logprobs(logits, ids, temperature, top_p)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for pair in self.kv for t in pair] + [self.last_logits]
@@ -167,20 +216,23 @@ def _runs_whole(model) -> bool:
 
 
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
-                      pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      pad_id: int, temperature: float,
+                      top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, R] log-probability of each response token given its prompt and the response
-    tokens before it (temperature-scaled, float32 or wider), and the [B, R] mask of real
-    tokens, responses left-aligned; see the module docstring."""
+    tokens before it (``token_logprobs``: temperature-scaled, over the top-p nucleus,
+    float32 or wider), and the [B, R] mask of real tokens, responses left-aligned; see the
+    module docstring."""
     _check_rows(prompts, responses)
     if _runs_whole(model):
-        return _whole_rows(model, prompts, responses, pad_id, temperature)
+        return _whole_rows(model, prompts, responses, pad_id, temperature, top_p)
     prompt, owner = _shared_prompts(model, prompts, pad_id)
     device = owner.device
     width = max(map(len, responses))
     chunks = _row_chunks(responses)
     parts = [torch.nn.functional.pad(
         prompt.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
-                             temperature), (0, width - max(len(responses[i]) for i in rows)))
+                             temperature, top_p),
+        (0, width - max(len(responses[i]) for i in rows)))
         for rows in chunks]
     restore = torch.argsort(torch.tensor([i for rows in chunks for i in rows], device=device))
     return torch.cat(parts)[restore], _scored([len(r) for r in responses], width, device)
@@ -213,7 +265,7 @@ def zero_loss(model, pad_id: int) -> torch.Tensor:
 
 def backward_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
                       pad_id: int, temperature: float, chunk_loss: ChunkLoss,
-                      pad_passes: int = 0) -> None:
+                      pad_passes: int = 0, top_p: float = 1.0) -> None:
     """Accumulate the gradients of sum over chunks of ``chunk_loss(rows, logp, scored)``
     (``rows``: indices into the batch; ``logp``, ``scored``: their [b, r] log-probabilities
     and real-token mask, as ``response_logprobs`` gives them), one backward per model call
@@ -221,7 +273,7 @@ def backward_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     backward. The gradients equal those of one backward, up to float32 rounding."""
     _check_rows(prompts, responses)
     if _runs_whole(model):
-        logp, scored = _whole_rows(model, prompts, responses, pad_id, temperature)
+        logp, scored = _whole_rows(model, prompts, responses, pad_id, temperature, top_p)
         loss = chunk_loss(list(range(len(responses))), logp, scored)
         for _ in range(pad_passes):
             zero_loss(model, pad_id).backward()
@@ -231,7 +283,7 @@ def backward_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     leaves = prompt.detached()
     for rows in _row_chunks(responses):
         logp = leaves.continue_with(model, owner[rows], [responses[i] for i in rows], pad_id,
-                                    temperature)
+                                    temperature, top_p)
         lengths = [len(responses[i]) for i in rows]
         chunk_loss(rows, logp, _scored(lengths, max(lengths), owner.device)).backward()
     for _ in range(pad_passes):
@@ -257,7 +309,7 @@ def checkpointing(model) -> bool:
 
 
 def _whole_rows(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: float, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_logprobs`` without a KV cache: every row's prompt + response right-padded
     in one forward pass."""
     device = next(model.parameters()).device
@@ -272,6 +324,5 @@ def _whole_rows(model, prompts: list[list[int]], responses: list[list[int]], pad
     token = ids.gather(1, at)
     logits = logits.gather(1, (at - 1)[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    out = logp.gather(-1, token[..., None]).squeeze(-1)
+    out = token_logprobs(logits, token, temperature, top_p)
     return out.masked_fill(~scored, 0.0), scored

@@ -18,8 +18,9 @@
 Shapes: ``U`` unique prompts, ``B`` live sequences, ``P`` longest shared prefix of the shard,
 ``S`` longest suffix. Padding sits between a row's prefix and its suffix and is masked; each
 row's position ids count only its real tokens, so the result matches unpadded generation.
-The recorded log-probabilities are of the temperature-scaled distribution before top-p, the
-quantity the trainer recomputes.
+The recorded log-probabilities are of the behaviour policy, the quantity the trainer
+recomputes: the temperature-scaled distribution, renormalised over the top-p nucleus when
+``top_p < 1`` (``forward.policy_logprobs``; vLLM's ``processed_logprobs`` are the same).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from ..data.schema import PROMPTS, ROLLOUTS, check_columns
-from .forward import forward_with_cache, layer_tensors, left_pad, positions_of
+from .forward import forward_with_cache, layer_tensors, left_pad, policy_logprobs, positions_of
 from .gen_stats import GenerationStats
 from .progress import beat
 from .seeds import index_keys, sequence_keys, uniforms
@@ -95,18 +96,18 @@ def stack_prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, draws: torch.Tensor | None):
-    """logits [B, V] -> (tokens [B], logprobs [B]) under the temperature-scaled policy;
-    ``draws`` [B]: each row's uniform in [0, 1) (unused when greedy)."""
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    """logits [B, V] -> (tokens [B], logprobs [B]) under the behaviour policy: the
+    temperature-scaled distribution, with ``top_p < 1`` its nucleus renormalised
+    (``forward.policy_logprobs``, the trainer's and vLLM's convention), which the token is
+    drawn from and its logprob taken of. Greedy: the argmax, with the logprob of the
+    temperature-scaled distribution (``top_p`` plays no part). ``draws`` [B]: each row's
+    uniform in [0, 1) (unused when greedy)."""
     if params.greedy:
+        logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
         tokens = logp.argmax(dim=-1)
     else:
-        probs = logp.exp()
-        if params.top_p < 1.0:
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        logp = policy_logprobs(logits.float(), params.temperature, params.top_p)
+        probs = logp.exp()  # 0 outside the nucleus
         cdf = probs.double().cumsum(dim=-1)
         target = draws.to(cdf)[:, None] * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(

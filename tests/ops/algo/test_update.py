@@ -224,6 +224,41 @@ def test_kl_to_an_identical_reference_is_zero(model, tokenizer, batch):
     assert second["loss"] == pytest.approx(second["pg_loss"] + 0.5 * second["kl"], rel=1e-5)
 
 
+def test_an_update_at_top_p_is_on_policy(model, tokenizer, make_prompts):
+    """Rollouts sampled at top_p 0.9: the update's logprobs, renormalised over the same
+    nucleus, are the behaviour's (ratio 1, no clip, KL 0 to the same weights); taken over
+    the full distribution instead the ratio is the nucleus' mass, in [0.9, 1). Both sides
+    are float32 passes over the same weights (generation's cache against the update's
+    shared prompt pass): the ratio's mean is 1 within 1e-4, as at top_p 1 above."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=11)
+    rollouts, _ = generate_rollouts(model, tokenizer, make_prompts(TEXTS), N_SAMPLES, params,
+                                    policy_version=0)
+    table = as_trainable(rollouts, ADVANTAGES)
+    for top_p, on_policy in ((0.9, True), (1.0, False)):
+        policy, ref = copy.deepcopy(model), copy.deepcopy(model)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+        metrics = update_policy(policy, optimizer, table, UpdateParams(kl_coef=0.5, top_p=top_p),
+                                tokenizer.pad_token_id, ref)
+        if on_policy:
+            assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        else:
+            assert 0.9 - 1e-4 < metrics["ratio_mean"] < 1 - 1e-3
+        assert metrics["clip_frac"] == 0.0
+        assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_tokens_outside_the_trainers_nucleus_keep_the_update_finite(model, tokenizer, batch):
+    """Rollouts of the full distribution trained at a nucleus of one token: every other token
+    gets LOGPROB_FLOOR, its ratio ~0 and clipped, and the step stays finite."""
+    policy, ref = copy.deepcopy(model), copy.deepcopy(model)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    metrics = update_policy(policy, optimizer, batch, UpdateParams(kl_coef=0.5, top_p=1e-6),
+                            tokenizer.pad_token_id, ref)
+    assert metrics["nonfinite_update"] == 0.0
+    assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "kl", "ratio_mean"))
+    assert metrics["clip_frac"] > 0  # the floor's ratio ~0 (and the argmax's 1 / p)
+
+
 def test_kl_without_reference_raises(model, tokenizer, batch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with pytest.raises(ValueError, match="kl_coef > 0 needs a reference model"):
