@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
@@ -31,8 +32,8 @@ def play(model, tok, prompts, keep_kv: bool, max_turns: int):
     params = EpisodeParams("tally-tool", max_turns=max_turns, max_turn_tokens=64,
                            max_episode_tokens=192, keep_kv=keep_kv)
     started = time.perf_counter()
-    table, episodes = run_episodes(model, tok, prompts, 1, SamplingParams(64, greedy=True),
-                                   params, policy_version=0, stats=stats)
+    table, episodes = run_episodes(HFBackend.of_model(model, tok), prompts, 1,
+                                   SamplingParams(64, greedy=True), params, stats=stats)
     return time.perf_counter() - started, table, stats, episodes
 
 

@@ -264,8 +264,9 @@ class Config:
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
         if self.lora_rank and self.backend == "vllm":
-            raise ConfigError("lora_rank > 0 runs with backend = 'hf': loading published "
-                              "adapters into vLLM is not built yet")
+            raise ConfigError("lora_rank > 0 runs with backend = 'hf': vLLM takes adapters as "
+                              "a PEFT directory per request (LoRARequest), and publishing each "
+                              "version's adapters so is not built; use backend = 'hf'")
         if self.environment and ":" not in self.environment \
                 and self.environment not in BUILTIN_ENVIRONMENTS:
             raise ConfigError(f"environment = {self.environment!r}: use one of "
@@ -279,12 +280,6 @@ class Config:
             raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
                               "'reasoning-gym:<task>', not a file; remove it")
         self.environment_routes()  # raises for a malformed [environments] entry
-        if self.backend == "vllm" and self.multi_turn:
-            raise ConfigError("multi-turn rollouts (environment) run on backend = 'hf': the "
-                              "episode loop keeps each turn's KV cache in our decode loop")
-        if self.backend == "vllm" and self.policy == "elastic":
-            raise ConfigError("backend = 'vllm' runs with policy = 'static': the elastic "
-                              "policy pauses and migrates the hf decode loop mid-batch")
 
     @property
     def run_dir(self) -> Path:

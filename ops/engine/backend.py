@@ -1,34 +1,20 @@
-"""The generation backends: the transformers one, and ``make_backend`` to pick one.
+"""The transformers engine (``HFBackend``, our own decode loop) and ``make_backend``.
 
-A generation worker holds one backend in worker-local state (``pipeline/tasks/rollout.py``) and
-drives it in this order:
-
-    backend = make_backend("hf" | "vllm", model_path, ...)
-    backend.load()                          once: the worker's cold start, measured
-    loop over tasks:
-        backend.wake()                      colocated engines only: memory back first
-        if backend.version != task version:
-            backend.set_weights(ref)        in place; resets the prefix cache
-        table, stats = backend.generate(prompts, n_samples, params, worker=...)
-        backend.sleep()                     colocated: free the device for the trainer
-    backend.close()                         at the end (a worker's exit ends it too)
-
-``generate`` returns one row per (prompt, sample), prompt-major, in ``schema.ROLLOUTS``
-(every prompt column kept), with the behaviour policy's log-probability of each sampled
-token, and a ``GenerationStats``. A backend never serves KV computed by older weights:
-``set_weights`` resets whatever prefix cache it keeps.
-
-The protocol (``GenerationBackend``) is in ``backend_protocol.py``, where every backend
-(``vllm_backend.py`` too) takes it from. ``HFBackend`` is our own decode loop
-(``generate.py``) over a transformers causal LM: the shared-prefix KV is computed per call
-and dropped with it, so it keeps no cache between calls, and sleeping is not needed on CPU.
-``VLLMBackend`` (``vllm_backend.py``) is imported only when asked for, so that vLLM stays
-an optional dependency.
+``HFBackend`` implements the engine protocol (``protocol.py``, where the call order is) over
+a transformers causal LM: ``generate`` prefills shared prefixes once per call
+(``generate.py``; the prefix KV is dropped with the call, so no cache outlives a weight
+update); ``generate_until`` keeps the cut rows' decoding, KV cache and all, as its paused
+handle, which ``resume`` finishes in place or ``export_paused`` / ``adopt`` move to another
+worker (``kv_transfer.py``); ``decode_turns`` keeps each conversation's KV between turns
+(``turns.py``). It is not colocated: sleeping is not needed. ``VLLMBackend``
+(``vllm_backend.py``) is imported only when asked for, so that vLLM stays an optional
+dependency. ``load_causal_lm`` is the load the trainer shares.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,10 +23,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .gen_stats import GenerationStats
-from .generate import SamplingParams, generate_rollouts
+from .generate import (
+    Decoding,
+    SamplingParams,
+    expand_samples,
+    generate_rollouts,
+    prefill_continuations,
+    prefill_prompts,
+    prefix_lens_of,
+    rollouts_table,
+    row_keys,
+    run_decoding,
+)
+from .kv_transfer import TailKV, export_tail, import_tail, recompute_tail, split_tail
 from .lora import LoraSpec, add_adapters
-from .protocol import GenerationBackend
+from .protocol import Chunk, GenerationBackend, StopRule, Turn, cut_rows
 from .publish import WeightsRef, load_weights
+from .turns import decode_turns
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")  # of the hf engine's weights
@@ -61,36 +60,63 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def load_causal_lm(model_path: str | Path, device: str = "auto", threads: int = 1,
+                   lora: LoraSpec | None = None, dtype: str = "auto"):
+    """(model in eval mode, tokenizer) from a Hugging Face directory: bf16 on CUDA, fp32 on
+    CPU unless ``dtype`` names another, torch pinned to ``threads``, LoRA adapters added."""
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    where = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=resolve_dtype(dtype, where)).to(where).eval()
+    if lora is not None:
+        add_adapters(model, lora)
+    return model, AutoTokenizer.from_pretrained(model_path)
+
+
+@dataclass
+class _Paused:
+    """A decoding ``generate_until`` cut: the batch (KV cache and all), a row per sequence,
+    and when its generation started."""
+
+    dec: Decoding
+    rows: pa.Table
+    start: float
+
+
 class HFBackend(GenerationBackend):
-    """transformers model + our decode loop; bf16 on CUDA, fp32 on CPU unless ``dtype``
-    names another, torch pinned to ``threads`` (each worker's share of the cores).
-    ``model`` is public: the elastic policy's chunked generation (pause at τ, resume or
-    migrate) drives the decode loop directly."""
+    """transformers model + our decode loop; see the module docstring."""
+
+    exports_kv = True
 
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
                  lora: LoraSpec | None = None, dtype: str = "auto") -> None:
         self.model_path, self.device_name, self.threads = str(model_path), device, threads
         self.dtype_name = dtype
-        self.lora = lora  # adapters on the model (ops/engine/lora.py); published versions carry
-                          # them
+        self.lora = lora  # adapters on the model (lora.py); published versions carry them
         self.model: torch.nn.Module | None = None
         self._tokenizer = None
 
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, tokenizer, version: int = 0) -> HFBackend:
+        """An engine over a model already loaded (tests, benches), at ``version``."""
+        engine = cls(getattr(model, "name_or_path", "") or "<in memory>")
+        engine.model, engine._tokenizer, engine.version = model, tokenizer, version
+        return engine
+
     def load(self) -> None:
         started = time.perf_counter()
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(self.threads)
-        device = resolve_device(self.device_name)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=resolve_dtype(self.dtype_name, device)).to(device).eval()
-        if self.lora is not None:
-            add_adapters(self.model, self.lora)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model, self._tokenizer = load_causal_lm(self.model_path, self.device_name,
+                                                      self.threads, self.lora, self.dtype_name)
         self.load_seconds = time.perf_counter() - started
 
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self._loaded().config, "max_position_embeddings", None)
 
     def set_weights(self, ref: WeightsRef) -> None:
         load_weights(self._loaded(), ref)
@@ -98,7 +124,7 @@ class HFBackend(GenerationBackend):
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
-        """Nothing to reset: prefix KV lives only inside one ``generate`` call."""
+        """Nothing to reset: prefix KV lives only inside one call."""
 
     def sleep(self) -> None:
         """Nothing to release: the hf engine is not colocated with the trainer."""
@@ -113,6 +139,73 @@ class HFBackend(GenerationBackend):
                                  policy_version=self.version, worker=worker,
                                  share_prefixes=share_prefixes)
 
+    def generate_until(self, prompts: pa.Table, n_samples: int, params: SamplingParams,
+                       stop: StopRule, *, worker: str = "local",
+                       share_prefixes: bool = True) -> Chunk:
+        model, tok = self._loaded(), self._tokenizer
+        stats, start = GenerationStats(), time.time()
+        rows = expand_samples(prompts, n_samples)
+        dec = prefill_prompts(model, prompts.column("prompt_ids").to_pylist(), n_samples,
+                              params, tok.pad_token_id, prefix_lens_of(prompts, share_prefixes),
+                              stats, row_keys(params.seed, rows))
+        run_decoding(model, dec, params, tok.eos_token_id, stats, stop.until_finished,
+                     pause=stop.interrupted)
+        done, cut = cut_rows(rows, dec.results(), dec.live.tolist(), tok,
+                             policy_version=self.version, worker=worker, start=start)
+        return Chunk(done, cut, stats, _Paused(dec, rows, start) if len(dec.live) else None)
+
+    def resume(self, paused: _Paused, params: SamplingParams, *,
+               worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        dec, stats = paused.dec, GenerationStats()
+        tail = dec.live.tolist()
+        run_decoding(self._loaded(), dec, params, self._tokenizer.eos_token_id, stats)
+        results = dec.results()
+        table = rollouts_table(paused.rows.take(pa.array(tail, pa.int64())),
+                               [results[i] for i in tail], self._tokenizer,
+                               policy_version=self.version, worker=worker,
+                               start=paused.start, end=time.time())
+        return table, stats
+
+    def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
+                      worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        model, tok = self._loaded(), self._tokenizer
+        stats, start = GenerationStats(), time.time()
+        dec = prefill_continuations(model, cut, params, tok.pad_token_id, stats)
+        run_decoding(model, dec, params, tok.eos_token_id, stats)
+        rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
+        return rollouts_table(rows, dec.results(), tok, policy_version=self.version,
+                              worker=worker, start=start, end=time.time()), stats
+
+    def export_paused(self, paused: _Paused, positions: list[int] | None = None) -> TailKV:
+        if positions is None:
+            return export_tail(paused.dec, paused.rows, paused.start)
+        return split_tail(paused.dec, paused.rows, paused.start, positions)
+
+    def adopt(self, tails: list[TailKV], recompute: pa.Table | None, params: SamplingParams,
+              stats: GenerationStats) -> _Paused:
+        model = self._loaded()
+        tails = list(tails)
+        if recompute is not None and len(recompute):
+            tails.append(recompute_tail(model, recompute, params,
+                                        self._tokenizer.pad_token_id, stats))
+        dec, rows = import_tail(model, tails)
+        return _Paused(dec, rows, min(t.start for t in tails))
+
+    def decode_turns(self, turns: list[Turn], params: SamplingParams,
+                     stats: GenerationStats, *, keep_cache: bool = True,
+                     on_leave=None) -> None:
+        decode_turns(self._loaded(), self._tokenizer, turns, params, stats,
+                     keep_cache=keep_cache, on_leave=on_leave)
+
+    def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
+        model, params = self._loaded(), SamplingParams(max_new_tokens=steps, greedy=True)
+        prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
+        stats = GenerationStats()
+        dec = prefill_prompts(model, prompts, 1, params, self._tokenizer.pad_token_id, None,
+                              stats)
+        run_decoding(model, dec, params, -1, stats)
+        return stats.decode_seconds / max(1, stats.decode_steps)
+
     def close(self) -> None:
         self.model = None
 
@@ -122,6 +215,17 @@ class HFBackend(GenerationBackend):
         return self.model
 
 
+def engine_class(name: str) -> type[GenerationBackend]:
+    """The engine class called ``name`` (one of ``BACKENDS``); vLLM itself is not imported."""
+    if name == "hf":
+        return HFBackend
+    if name == "vllm":
+        from .vllm_backend import VLLMBackend  # optional dependency: loads it only in load()
+
+        return VLLMBackend
+    raise ValueError(f"backend {name!r}: choose one of {BACKENDS}")
+
+
 def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
                  colocate: bool = False, lora: LoraSpec | None = None,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.15) -> GenerationBackend:
@@ -129,11 +233,8 @@ def make_backend(name: str, model_path: str | Path, device: str = "auto", thread
     engine shares its device with the trainer and sleeps between rollouts (vllm); ``dtype``:
     the engine's weights (one of ``DTYPES``); ``gpu_memory_utilization``: the share of the
     device's memory a vllm engine takes (on CPU: of the RAM)."""
-    if name == "hf":
+    cls = engine_class(name)
+    if cls is HFBackend:
         return HFBackend(model_path, device, threads, lora, dtype)
-    if name == "vllm":
-        from .vllm_backend import VLLMBackend  # optional dependency: only when asked for
-
-        return VLLMBackend(model_path, colocate=colocate, dtype=dtype, threads=threads,
-                           gpu_memory_utilization=gpu_memory_utilization)
-    raise ValueError(f"backend {name!r}: choose one of {BACKENDS}")
+    return cls(model_path, colocate=colocate, dtype=dtype, threads=threads,
+               gpu_memory_utilization=gpu_memory_utilization)

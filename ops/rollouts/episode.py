@@ -16,11 +16,13 @@ included) and appended the same way; the history is never rendered again. Each e
 keeps its steps' rewards (``turn_rewards``); ``env_reward`` is their sum plus the final
 reward ``close()`` returned, if any.
 
-KV kept across turns (``keep_kv``): when an episode leaves the batch, its rows of the KV
-cache (real positions only) are kept; the next round stacks the kept caches, left-padded to
-the longest, and runs only what is new, the turn's last token and the observation
-(``generate.extend_cache``). With ``keep_kv=False`` every round prefills the whole
-conversation again, which ``bench/multiturn.py`` compares against (same tokens in float64).
+The engine (any of the protocol's, ``ops/engine/protocol.py``) decodes each round through
+``decode_turns``, which takes token ids and returns token ids: the trajectory is the same on
+our decode loop and on vLLM. What an engine keeps between an episode's turns is its own
+(``keep_kv``): our loop keeps each conversation's KV cache and runs only the new ids
+(``ops/engine/turns.py``); vLLM's prefix cache finds the conversation's blocks again. With
+``keep_kv=False`` the hf engine prefills the whole conversation every turn, which
+``bench/multiturn.py`` compares against (same tokens in float64).
 
 Limits: ``max_turns`` (then ``finish_reason = "turns"``), ``max_turn_tokens`` and
 ``max_episode_tokens`` (generated + observation tokens after the prompt; a turn cut short
@@ -45,24 +47,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from ..data.records import record_fields
 from ..data.schema import EPISODES, SCORED
 from ..engine.gen_stats import EpisodeStats, GenerationStats
-from ..engine.generate import (
-    Decoding,
-    SamplingParams,
-    check_context,
-    expand_samples,
-    extend_cache,
-    rollouts_table,
-    row_keys,
-    run_decoding,
-    stack_prefix_cache,
-    start_decoding,
-)
-from ..engine.kv_transfer import row_kv
+from ..engine.generate import SamplingParams, expand_samples, rollouts_table, row_keys
+from ..engine.protocol import GenerationBackend, Turn
 from ..engine.seeds import subkeys
 from .env import Environment, check_observation, check_step
 from .resolve import resolve_environment
@@ -102,8 +92,7 @@ class _Episode:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)  # ids not yet run through the model
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [1, H, T, D]
+    cache: object = None  # what the engine kept of the conversation (``Turn.cache``)
     turns: int = 0
     reward: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)  # each step's reward, in order
@@ -111,9 +100,6 @@ class _Episode:
     finish: str | None = None
     env_seconds: float = 0.0
     env_calls: int = 0
-
-    def kv_len(self) -> int:
-        return self.kv[0][0].shape[2] if self.kv else 0
 
     def fail(self, where: str, err: BaseException) -> None:
         self.error, self.finish = f"{where}: {describe_error(err)}", "error"
@@ -203,33 +189,16 @@ def _observe(ep: _Episode, observation: str | list[dict] | None, tokenizer,
         ep.finish = "length"
         return
     ep.append(ids, None)
-    ep.pending += ids
     stats.observation_tokens += len(ids)
 
 
-def _round_cache(model, eps: list[_Episode], params: EpisodeParams):
-    """The batch cache of a round: kept caches stacked, left-padded (or nothing to keep)."""
-    if not params.keep_kv:  # the baseline: the whole conversation again
-        for ep in eps:
-            ep.kv, ep.pending = [], ep.prompt + ep.ids
-    return stack_prefix_cache(model, [ep.kv for ep in eps], list(range(len(eps))),
-                         [ep.kv_len() for ep in eps])
-
-
-def _keep_leaving(eps: list[_Episode]):
-    """``run_decoding``'s ``on_leave``: keep the real positions of each leaving row's KV."""
-    def keep(dec: Decoding, rows: torch.Tensor) -> None:
-        for row in rows.tolist():
-            eps[int(dec.live[row])].kv = row_kv(dec.cache, dec.mask, row)
-    return keep
-
-
-@torch.inference_mode()
-def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: SamplingParams,
-                 params: EpisodeParams, *, policy_version: int, worker: str = "local",
+def run_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: int,
+                 sampling: SamplingParams, params: EpisodeParams, *, worker: str = "local",
                  stats: GenerationStats | None = None) -> tuple[pa.Table, EpisodeStats]:
-    """One episode per (prompt, sample), prompt-major: the ``ROLLOUTS`` columns (the whole
-    trajectory as ``response_ids``) plus ``schema.EPISODES``."""
+    """One episode per (prompt, sample), prompt-major, on ``engine`` at its version: the
+    ``ROLLOUTS`` columns (the whole trajectory as ``response_ids``) plus
+    ``schema.EPISODES``."""
+    tokenizer = engine.tokenizer
     stats = stats if stats is not None else GenerationStats()
     est = EpisodeStats()
     makers = {source: (resolve_environment(name), kwargs)
@@ -240,10 +209,10 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
     start = time.time()
     prompt_ids = rows.column("prompt_ids").to_pylist()
     if prompt_ids:
-        check_context(model, max(map(len, prompt_ids)) + params.max_episode_tokens)
+        engine.check_context(max(map(len, prompt_ids)) + params.max_episode_tokens)
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
     keys = row_keys(sampling.seed, rows).tolist()
-    eps = [_Episode(_env_row(row, text, key), ids, key, pending=list(ids))
+    eps = [_Episode(_env_row(row, text, key), ids, key)
            for row, ids, text, key in zip(rows.to_pylist(), prompt_ids, texts, keys)]
     eos = tokenizer.eos_token_id
     timeout = params.step_timeout_s
@@ -253,7 +222,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
         except BaseException as err:  # user code: recorded, this episode only
             call.ep.fail("reset", err)
     while live := [ep for ep in eps if ep.finish is None]:
-        steps = _play_round(model, tokenizer, live, sampling, params, eos, stats)
+        steps = _play_round(engine, live, sampling, params, eos, stats)
         waited = time.perf_counter()
         for call in steps:
             ep = call.ep
@@ -289,7 +258,7 @@ def run_episodes(model, tokenizer, prompts: pa.Table, n_samples: int, sampling: 
         est.env_seconds += ep.env_seconds
         est.env_calls += ep.env_calls
     table = rollouts_table(rows, [(ep.ids, ep.logprobs, ep.finish) for ep in eps], tokenizer,
-                           policy_version=policy_version, worker=worker, start=start,
+                           policy_version=engine.version, worker=worker, start=start,
                            end=time.time())
     return _with_episode_columns(table, eps), est
 
@@ -315,43 +284,30 @@ def _final_reward(value: object) -> float:
     return float(value)
 
 
-def _play_round(model, tokenizer, live: list[_Episode], sampling: SamplingParams,
+def _play_round(engine: GenerationBackend, live: list[_Episode], sampling: SamplingParams,
                 params: EpisodeParams, eos: int, stats: GenerationStats) -> list[_Call]:
     """Decode one turn of every live episode; returns the environment steps started."""
-    budgets = [min(params.max_turn_tokens, params.max_episode_tokens - len(ep.ids))
-               for ep in live]
-    started = time.perf_counter()
-    cache, past_mask = _round_cache(model, live, params)
-    past = [ep.kv_len() for ep in live]
-    logits, mask = extend_cache(model, cache, past_mask, past, [ep.pending for ep in live],
-                                tokenizer.pad_token_id)
-    stats.prefill_tokens += sum(len(ep.pending) for ep in live)
-    next_pos = torch.tensor([p + len(ep.pending) for p, ep in zip(past, live)],
-                            device=model.device)
     keys = subkeys(np.array([ep.key for ep in live], dtype=np.uint64),
                    np.array([ep.turns for ep in live], dtype=np.uint64))
-    dec = start_decoding(model, cache, logits, mask, next_pos, budgets, keys)
-    stats.prefill_seconds += time.perf_counter() - started
+    turns = [Turn(ep.prompt + ep.ids,
+                  min(params.max_turn_tokens, params.max_episode_tokens - len(ep.ids)),
+                  int(key), ep.cache) for ep, key in zip(live, keys)]
     steps: list[_Call] = []
-    keep = _keep_leaving(live) if params.keep_kv else None
 
-    def on_leave(d: Decoding, rows: torch.Tensor) -> None:
-        if keep is not None:
-            keep(d, rows)
-        for row in rows.tolist():
-            seq = int(d.live[row])
-            ep, turn = live[seq], d.tokens[seq]
-            if len(ep.ids) + len(turn) >= params.max_episode_tokens or (
-                    turn[-1] != eos and not params.step_cut_turns):
-                continue  # cut short: the episode ends at "length", no step
-            text = tokenizer.decode(turn, skip_special_tokens=True)
-            steps.append(_env_call(ep, ep.env.step, text))
+    def on_leave(i: int, turn: list[int]) -> None:
+        ep = live[i]
+        if len(ep.ids) + len(turn) >= params.max_episode_tokens or (
+                turn[-1] != eos and not params.step_cut_turns):
+            return  # cut short: the episode ends at "length", no step
+        text = engine.tokenizer.decode(turn, skip_special_tokens=True)
+        steps.append(_env_call(ep, ep.env.step, text))
 
-    run_decoding(model, dec, sampling, eos, stats, on_leave=on_leave)
+    engine.decode_turns(turns, sampling, stats, keep_cache=params.keep_kv, on_leave=on_leave)
     stepped = {id(call.ep) for call in steps}
-    for ep, (ids, logprobs, _) in zip(live, dec.results()):
+    for ep, turn in zip(live, turns):
+        ids, logprobs, _ = turn.result
         ep.append(ids, logprobs)
-        ep.pending = ids[-1:]  # the turn's last token never ran through the model
+        ep.cache = turn.cache
         ep.turns += 1
         if id(ep) not in stepped:
             ep.finish = "length"

@@ -35,19 +35,11 @@ import torch
 from distributed import Reschedule, get_client, get_worker
 
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
-from rlhfless.ops.engine.generate import SamplingParams, prefill_prompts, run_decoding
-from rlhfless.ops.engine.kv_transfer import (
-    TailKV,
-    export_tail,
-    import_tail,
-    recompute_tail,
-    split_tail,
-    take_tail,
-)
+from rlhfless.ops.engine.kv_transfer import TailKV, take_tail
 from rlhfless.ops.engine.publish import WeightsRef, require_version
 
-from .engines import worker_name
-from .rollout import PAUSED, GenSpec, hf_engine, resume_task
+from .engines import EngineSpec, worker_name
+from .rollout import PAUSED, GenSpec, generation_engine, resume_task, seeded, worker_engine
 
 
 class TailLost(KeyError):
@@ -58,6 +50,16 @@ class TailLost(KeyError):
 def _in_cluster(address: str, dask_scheduler=None) -> bool:
     """On the scheduler: is the worker at ``address`` still there?"""
     return address in dask_scheduler.workers
+
+
+def _kv_engine(spec: EngineSpec, weights: WeightsRef):
+    """This worker's engine at ``weights`` (awake), which must keep exportable KV."""
+    engine, cold = generation_engine(spec, weights)
+    require_version(engine.version, weights.version, f"worker {worker_name()}")
+    if not engine.exports_kv:
+        raise TypeError(f"backend {spec.backend!r} keeps no exportable KV cache: its tails "
+                        "move by recompute (continue_task)")
+    return engine, cold
 
 
 def _take_paused(key: str, source: str | None = None) -> TailKV:
@@ -72,8 +74,7 @@ def _take_paused(key: str, source: str | None = None) -> TailKV:
             raise Reschedule()
         raise TailLost(f"worker {worker_name()} holds no paused decoding {key!r} "
                        "(never paused here, already moved, or the worker restarted)")
-    dec, rows, start = entry
-    return export_tail(dec, rows, start)
+    return worker_engine().export_paused(entry)
 
 
 def split_tail_task(key: str, positions: list[int], source: str | None = None) -> TailKV:
@@ -81,10 +82,9 @@ def split_tail_task(key: str, positions: list[int], source: str | None = None) -
     at ``positions`` of the paused decoding ``key`` as a ``TailKV``; the others stay paused
     under ``key`` (all moved: ``key`` is gone)."""
     entry = PAUSED.get(key)
-    if entry is None or len(positions) == len(entry[0].live):
+    if entry is None or len(positions) == len(entry.dec.live):
         return _take_paused(key, source)
-    dec, rows, start = entry
-    return split_tail(dec, rows, start, positions)
+    return worker_engine().export_paused(entry, positions)
 
 
 def export_tail_task(key: str, source: str | None = None) -> TailKV:
@@ -105,18 +105,13 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     export to this task's start (``transfer_s``: scheduling and the worker-to-worker
     fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
     arrived = time.time()
-    engine, cold = hf_engine(spec.engine, weights)
-    require_version(engine.version, weights.version, f"worker {worker_name()}")
+    engine, cold = _kv_engine(spec.engine, weights)
     own = [_take_paused(k) for k in local]
     stats = GenerationStats()
-    if recompute is not None and len(recompute):
-        params = SamplingParams(**{**spec.sampling.__dict__, "seed": seed})
-        own.append(recompute_tail(engine.model, recompute, params,
-                                  engine.tokenizer.pad_token_id, stats))
-    dec, rows = import_tail(engine.model, own + list(tails))
-    PAUSED[key] = (dec, rows, min(t.start for t in own + list(tails)))
+    params = spec.sampling if seed is None else seeded(spec, seed)
+    PAUSED[key] = paused = engine.adopt(own + list(tails), recompute, params, stats)
     exported = max((t.exported_at for t in tails), default=arrived)
-    return {"worker": worker_name(), "key": key, "sequences": len(rows),
+    return {"worker": worker_name(), "key": key, "sequences": len(paused.rows),
             "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
             "context_tokens": sum(t.context_tokens for t in tails),
             "transfer_s": max(0.0, arrived - exported),
@@ -158,20 +153,14 @@ def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, .
                        threads: tuple[int, ...], steps: int = 16, prompt_tokens: int = 48,
                        repeats: int = 5) -> dict[tuple[int, int], list[float]]:
     """Decode step seconds of this worker's engine by (batch, threads), ``repeats`` samples
-    each: a sample decodes ``steps`` tokens of a batch of ``prompt_tokens``-token prompts (no
-    EOS stop). Each thread count gets one untimed warm-up decode first (its thread pool
-    starts); the repeats then cycle through every (threads, batch), so a burst of outside
-    load lands on all of them alike. The worker's torch threads are restored afterwards."""
-    engine, _ = hf_engine(spec.engine, weights)
-    model, pad = engine.model, engine.tokenizer.pad_token_id
-    params = SamplingParams(max_new_tokens=steps, greedy=True)
+    each (``GenerationBackend.step_seconds``). Each thread count gets one untimed warm-up
+    decode first (its thread pool starts); the repeats then cycle through every (threads,
+    batch), so a burst of outside load lands on all of them alike. The worker's torch
+    threads are restored afterwards."""
+    engine, _ = generation_engine(spec.engine, weights)
 
     def step_seconds(batch: int) -> float:
-        prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
-        stats = GenerationStats()
-        dec = prefill_prompts(model, prompts, 1, params, pad, None, stats)
-        run_decoding(model, dec, params, -1, stats)
-        return stats.decode_seconds / max(1, stats.decode_steps)
+        return engine.step_seconds(batch, steps, prompt_tokens)
 
     before = torch.get_num_threads()
     out: dict[tuple[int, int], list[float]] = {(b, t): [] for t in threads for b in batches}

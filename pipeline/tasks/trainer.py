@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from rlhfless.ops.algo.offpolicy import check_staleness
 from rlhfless.ops.algo.parallel import Ranks, full_state, wrap_model
 from rlhfless.ops.algo.update import UpdateParams, update_policy
-from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.backend import load_causal_lm
 from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.lora import trainable_names
@@ -71,9 +71,9 @@ _TRAINER: dict[str, Trainer] = {}  # model path -> this process's trainer
 
 def load_model(spec: EngineSpec) -> LoadedModel:
     """Model (bf16 on CUDA, fp32 on CPU) and tokenizer from a Hugging Face directory."""
-    hf = HFBackend(spec.model_path, spec.device, spec.threads, spec.lora)
-    hf.load()
-    return LoadedModel(hf.model, hf.tokenizer, 0, hf.load_seconds)
+    started = time.perf_counter()
+    model, tokenizer = load_causal_lm(spec.model_path, spec.device, spec.threads, spec.lora)
+    return LoadedModel(model, tokenizer, 0, time.perf_counter() - started)
 
 
 def _ranks(spec: TrainSpec) -> Ranks | None:

@@ -13,8 +13,8 @@ driver with Dask futures (the graph is decided as it runs):
    it on other workers; ``ScalingPolicy.kv_path`` decides per move whether its KV cache
    travels there (exported on the source, fetched worker to worker by the target:
    ``tail_tasks.py``) or its prefix is recomputed there, from the transfer and prefill
-   rates fitted to the run's own moves (the emulated backend keeps no KV cache: it
-   recomputes);
+   rates fitted to the run's own moves (an engine that cannot export its KV cache, vLLM
+   or the emulated one, recomputes);
 4. as soon as a shard is complete, score it and compute its advantages (streaming);
 5. release generation workers that would idle longer than a cold start costs (break-even
    keep-alive) — the pool shrinks to what the update needs while the update runs.
@@ -54,6 +54,7 @@ from distributed import as_completed
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.shard import take_shards
+from rlhfless.ops.engine.backend import engine_class
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.engine.publish import WeightsRef
@@ -129,7 +130,8 @@ class ElasticGeneration:
         self.pc, self.cfg, self.run, self.scaling = pc, cfg, run, scaling
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
-        self.kv_moves = cfg.backend == "hf"  # the emulated backend keeps no KV cache
+        # an engine that cannot export its KV (vllm, the emulated one) moves by recompute
+        self.kv_moves = cfg.backend != "emulated" and engine_class(cfg.backend).exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
         self.iteration = 0  # the last generated
 
@@ -303,7 +305,7 @@ class ElasticGeneration:
             why = move.reason
             if not self.kv_moves:
                 choice = replace(choice, path="recompute")
-                why += f"; backend {self.cfg.backend} keeps no KV cache: recompute"
+                why += f"; backend {self.cfg.backend} keeps no exportable KV cache: recompute"
             plans.append((move, rows, part, context, choice, why))
         self.load[worker] = WorkerProgress(0, 0, busy=False)  # its whole tail leaves
         client, source = self.pc.client, self.pc.address_of(worker)

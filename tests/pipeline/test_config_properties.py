@@ -137,7 +137,7 @@ def test_accepted_configs_survive_the_json_round_trip():
         assert load_config(None, [], base=saved) == cfg
 
     round_trip()
-    # values in their own ranges: only cross-key rules (vllm with elastic, LoRA, replay with
+    # values in their own ranges: only cross-key rules (vllm with LoRA, replay with
     # async ...) reject a combination: about 80 % are accepted, non-default configs
     accepted = sum(outcomes)
     assert len(outcomes) >= 100 and accepted >= 0.6 * len(outcomes), (accepted, len(outcomes))

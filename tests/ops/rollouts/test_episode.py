@@ -16,6 +16,7 @@ import torch
 from episode_envs import LOG
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
+from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.forward import response_logprobs
 from rlhfless.ops.engine.generate import SamplingParams, decode
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes, score_episodes
@@ -40,8 +41,8 @@ def turn_tokenizer(model64, tokenizer, make_prompts):
 def play(model, tok, prompts, env="episode_envs:Scripted", n=2, greedy=False, **kw):
     params = EpisodeParams(env, **({"max_turns": 4, "max_turn_tokens": 24,
                                     "max_episode_tokens": 120} | kw))
-    return run_episodes(model, tok, prompts, n, SamplingParams(24, greedy=greedy, seed=5),
-                        params, policy_version=0)
+    return run_episodes(HFBackend.of_model(model, tok), prompts, n,
+                        SamplingParams(24, greedy=greedy, seed=5), params)
 
 
 def runs(mask: list[int]) -> list[tuple[int, int, int]]:

@@ -21,7 +21,12 @@ from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.tasks.engines import EngineSpec
-from rlhfless.pipeline.tasks.rollout import GenSpec, generate_chunk_task, hf_engine, resume_task
+from rlhfless.pipeline.tasks.rollout import (
+    GenSpec,
+    generate_chunk_task,
+    generation_engine,
+    resume_task,
+)
 from rlhfless.pipeline.tasks.tail import adopt_tails_task, export_tail_task
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
@@ -39,7 +44,7 @@ def cluster():
 
 def _float64_engine(spec: GenSpec, weights: WeightsRef) -> str:
     """Load this worker's engine in float64: no near-tie can flip a token."""
-    engine, _ = hf_engine(spec.engine, weights)
+    engine, _ = generation_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 

@@ -75,3 +75,62 @@ def test_async_replay_on_vllm_keeps_both_bounds(tiny_model_dir, tmp_path):
         assert m["staleness_max"] <= cfg.replay_max_age
     assert sum(m["replayed_groups"] for m in records) > 0
     assert vllm_processes() == []
+
+
+def _pairs(table) -> list[tuple[str, int]]:
+    return list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+
+
+def test_a_tail_cut_on_one_vllm_worker_resumes_there_or_continues_on_another(tiny_model_dir):
+    """The elastic policy's chunk tasks on vLLM engines in two worker processes: a shard
+    cut at a quarter finished, its tail resumed where it was cut or continued on the other
+    worker from its tokens so far; every (prompt, sample) lands once either way."""
+    from rlhfless.pipeline.tasks.rollout import continue_task, generate_chunk_task, resume_task
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 6)
+    spec = GenSpec(EngineSpec(str(tiny_model_dir), backend="vllm", dtype="float32"), 4,
+                   SamplingParams(max_new_tokens=24, seed=2))
+    weights = WeightsRef(0, str(tiny_model_dir))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        a, b = list(client.scheduler_info()["workers"])
+        out = client.submit(generate_chunk_task, shard, weights, spec, 1, 0.25, "k",
+                            workers=[a], pure=False).result()
+        cut = out["cut"]
+        moved = client.submit(continue_task, cut, weights, spec, 1, workers=[b],
+                              pure=False).result()
+        stayed = client.submit(resume_task, "k", weights, spec, workers=[a], pure=False).result()
+    assert 0 < len(cut) < 4 * len(shard)
+    assert moved.stats.cold_start_s > 0 and stayed.stats.cold_start_s == 0
+    every = sorted((p, s) for p in shard.column("prompt_id").to_pylist() for s in range(4))
+    for rest in (moved.table, stayed.table):
+        assert sorted(_pairs(out["done"].table) + _pairs(rest)) == every
+        for ids, partial in zip(rest.column("response_ids").to_pylist(),
+                                cut.column("partial_ids").to_pylist()):
+            assert ids[:len(partial)] == partial  # continued, not restarted
+    assert len(set(moved.table.column("worker").to_pylist())
+               | set(stayed.table.column("worker").to_pylist())) == 2
+    assert vllm_processes() == []
+
+
+def test_elastic_multi_turn_run_on_vllm(tiny_model_dir, tmp_path):
+    """The elastic policy sizing a pool of vLLM engines that play multi-turn episodes (the
+    tally task's lookup environment): both iterations run their episodes, the pool's
+    decisions are logged, and no engine outlives the run."""
+    from rlhfless.pipeline.config import Config
+    from rlhfless.pipeline.train.loop import train
+
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm-elastic",
+                 backend="vllm", policy="elastic", environment="tally-tool", iterations=2,
+                 batch_prompts=6, n_samples=2, max_turns=2, max_turn_tokens=12,
+                 max_episode_tokens=48, heldout_prompts=4, eval_every=2,
+                 checkpoint_every=100, gen_workers=2, train_threads=1)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    records = [m for m in run.metrics() if m.get("event") == "iteration"]
+    assert [m["iteration"] for m in records] == [1, 2]
+    assert all(m["episodes"] == 12 for m in records)
+    decisions = [json.loads(line) for line in
+                 (run.path / "decisions.jsonl").read_text().splitlines()]
+    assert {d["kind"] for d in decisions} >= {"scale"}
+    assert vllm_processes() == []

@@ -67,7 +67,7 @@ def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [d["iteration"] for d in decisions if d["kind"] == "scale"] == [1, 2]
     for move in (d for d in decisions if d["kind"] == "migrate"):  # no KV cache: recompute
-        assert move["path"] == "recompute" and "keeps no KV cache" in move["reason"]
+        assert move["path"] == "recompute" and "keeps no exportable KV cache" in move["reason"]
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
     assert out["gen_worker_s"] > 0
 

@@ -38,7 +38,7 @@ from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.durable.runs import RunDir
 from rlhfless.pipeline.specs import make_specs
-from rlhfless.pipeline.tasks.rollout import generate_chunk_task, hf_engine
+from rlhfless.pipeline.tasks.rollout import generate_chunk_task, generation_engine
 from rlhfless.pipeline.train.elastic import ElasticGeneration
 from rlhfless.pipeline.train.loop import train
 from rlhfless.schedulers.ledger import CostLedger
@@ -64,7 +64,7 @@ class MovingPolicy(ScalingPolicy):
 
 
 def _float64_engine(spec, weights) -> str:
-    engine, _ = hf_engine(spec.engine, weights)
+    engine, _ = generation_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 
