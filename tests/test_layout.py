@@ -7,6 +7,7 @@ torch (checked in a fresh interpreter)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,20 @@ def test_no_private_name_crosses_modules():
                       for module, names in imports(name, path)
                       for n in names if n.startswith("_") and not n.startswith("__"))
     assert crossing == []
+
+
+def test_the_pipeline_reaches_engines_through_their_protocol_only():
+    """No pipeline module imports an engine class or touches an engine's model: every task
+    drives its engine through ``ops/engine/protocol.py``."""
+    pipeline = {n: p for n, p in modules().items() if under(n, "rlhfless.pipeline")}
+    assert offences(pipeline, lambda _, m: m == "rlhfless.ops.engine.vllm_backend") == []
+    named = sorted(f"{n}: {module} import {x}" for n, path in pipeline.items()
+                   for module, names in imports(n, path) for x in names
+                   if x in ("HFBackend", "VLLMBackend"))
+    assert named == []
+    touching = sorted(n for n, path in pipeline.items()
+                      if re.search(r"engine\.model\b", path.read_text()))
+    assert touching == []
 
 
 def loads_torch(code: str) -> bool:

@@ -28,7 +28,7 @@ weights are all finite (the root attribute ``finite``, written by the driver fro
 trainer rank found; a checkpoint without it counts as finite).
 
 Who writes what: the trainer worker writes ``trainer/`` itself
-(``trainer_tasks.save_trainer_task``), the driver the root attributes, ``driver/`` and
+(``trainer.save_trainer_task``), the driver the root attributes, ``driver/`` and
 ``tables/``. Weights and optimizer state are
 three times the model in fp32; shipping them through the scheduler to the driver would double
 the traffic and hold them twice in memory, while the trainer shares the file system with the

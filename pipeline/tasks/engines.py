@@ -7,12 +7,12 @@ on a worker loads the model (the *cold start*, measured and returned with the ro
 later tasks only fetch newer weights. Each worker pins torch to its share of the cores.
 The tasks, by role:
 
-* ``rollout_tasks.py``: generation workers (resource ``GEN``) hold a generation backend
-  (hf or vllm, ``ops/engine/backend.py``) at some policy version, and the decodings paused there;
-* ``scoring_tasks.py``: rewards and advantages, stateless, on either pool;
-* ``trainer_tasks.py``: the trainer (resource ``TRAIN``) holds policy, optimizer, frozen
+* ``rollout.py``: generation workers (resource ``GEN``) hold a generation backend
+  (hf or vllm, ``ops/engine/protocol.py``) at some policy version, and the chunks paused there;
+* ``scoring.py``: rewards and advantages, stateless, on either pool;
+* ``trainer.py``: the trainer (resource ``TRAIN``) holds policy, optimizer, frozen
   reference, updates and publishes, and writes and reads its part of a checkpoint;
-* ``tail_tasks.py``: a paused tail's KV cache moved between generation workers.
+* ``tail.py``: a paused tail's KV cache moved between generation workers (engines that export it).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 With ``train_workers = N > 1`` every worker of the TRAIN pool is one rank. The driver forms
 the group (``form_group``) when a run starts and again whenever it recovers:
 
-    leave_task         on every trainer worker (``trainer_tasks.leave_trainer_task``): drop its
+    leave_task         on every trainer worker (``trainer.leave_trainer_task``): drop its
                        trainer and its old group (``leave_group``), if any
     join_group_task    on every member at once: init_process_group (gloo on CPU, NCCL on
                        CUDA) through the group's rendezvous store; rank = the member's place

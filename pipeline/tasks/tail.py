@@ -1,6 +1,6 @@
 """Graph tasks that move a paused tail's KV cache from one generation worker to another.
 
-A chunk (``rollout_tasks.generate_chunk_task``) leaves its unfinished sequences paused on its
+A chunk (``rollout.generate_chunk_task``) leaves its unfinished sequences paused on its
 worker under a key. To continue them elsewhere *with* their KV cache:
 
 1. ``export_tail_task(key)`` runs on the source worker; its result, a ``TailKV``
@@ -9,7 +9,7 @@ worker under a key. To continue them elsewhere *with* their KV cache:
    fetches its argument from the source worker directly (worker to worker, never through
    the driver), and the task rebuilds the batch there, paused under ``new_key``, together
    with any tails already paused on the target (``local``: PAT's consolidation);
-3. ``rollout_tasks.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
+3. ``rollout.resume_task(new_key, ...)`` finishes it on the target, as it finishes a tail
    that never moved.
 
 A tail split over several targets is cut on the source first (``take_tail_task``: each

@@ -12,7 +12,7 @@ driver with Dask futures (the graph is decided as it runs):
    tail ``ScalingPolicy.migrate`` decides: resume it where its KV cache is, or cut it and continue
    it on other workers; ``ScalingPolicy.kv_path`` decides per move whether its KV cache
    travels there (exported on the source, fetched worker to worker by the target:
-   ``tail_tasks.py``) or its prefix is recomputed there, from the transfer and prefill
+   ``tasks/tail.py``) or its prefix is recomputed there, from the transfer and prefill
    rates fitted to the run's own moves (an engine that cannot export its KV cache, vLLM
    or the emulated one, recomputes);
 4. as soon as a shard is complete, score it and compute its advantages (streaming);
