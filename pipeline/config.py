@@ -21,7 +21,7 @@ import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
-from rlhfless.ops.rollouts.env import BUILTIN_ENVIRONMENTS
+from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .cluster.security import check_security
@@ -96,6 +96,12 @@ class Config:
     max_episode_tokens: int = 192  # generated + observation tokens after the prompt
     env_step_timeout_s: float = 10.0  # per environment call; over it ends the episode
     step_cut_turns: bool = False  # a turn cut at max_turn_tokens goes to the environment too
+    # agent episodes (ops/rollouts/agent.py): "module:function" or "tally-agent" (the embedded
+    # one, on task tally-tool), called per prompt with an OpenAI client of the worker's endpoint
+    agent: str = ""  # empty: no agent
+    agent_timeout_s: float = 60.0  # per agent episode; over it ends the episode as an error
+    agent_concurrency: int = 16  # agent episodes at once per generation worker
+    agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     batch_prompts: int = 32  # prompts per iteration
@@ -198,11 +204,12 @@ class Config:
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
                     "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens", "max_turns",
-                    "max_turn_tokens", "max_episode_tokens")
+                    "max_turn_tokens", "max_episode_tokens", "agent_concurrency")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
         for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s",
+                    "agent_timeout_s",
                     "emulate_time_scale", "stall_timeout_factor", "min_stall_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
@@ -280,6 +287,12 @@ class Config:
             raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
                               "'reasoning-gym:<task>', not a file; remove it")
         self.environment_routes()  # raises for a malformed [environments] entry
+        if self.agent and ":" not in self.agent and self.agent not in BUILTIN_AGENTS:
+            raise ConfigError(f"agent = {self.agent!r}: use 'module:function' or one of "
+                              f"{sorted(BUILTIN_AGENTS)}")
+        if self.agent and (self.environment or self.environments):
+            raise ConfigError(f"agent = {self.agent!r} plays its own episodes: remove "
+                              "environment / environments, or the agent")
 
     @property
     def run_dir(self) -> Path:
@@ -290,6 +303,8 @@ class Config:
         """The environment of multi-turn rollouts ("": single-turn generation)."""
         if self.environment:
             return self.environment
+        if self.agent:  # the agent plays the episodes
+            return ""
         return "tally-tool" if self.task == "tally-tool" and self.model == "tiny" else ""
 
     @property

@@ -23,6 +23,8 @@ from rlhfless.ops.data.load import LoadResult, read_prompts
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
 from rlhfless.ops.rollouts.adapters import reasoning_gym
+from rlhfless.ops.rollouts.agent import AgentParams
+from rlhfless.ops.rollouts.env import BUILTIN_AGENTS
 from rlhfless.ops.rollouts.episode import EpisodeParams
 from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
 from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
@@ -67,12 +69,12 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           micro_batch_tokens=cfg.micro_batch_tokens,
                           max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)
-    episodes = episode_params(cfg)
+    episodes, agent = episode_params(cfg), agent_params(cfg)
     return Specs(
         gen=GenSpec(gen_engine, cfg.n_samples, sampling, cfg.share_prefixes,
-                    episodes=episodes),
+                    episodes=episodes, agent=agent),
         eval=GenSpec(gen_engine, 1, SamplingParams(cfg.max_new_tokens, greedy=True),
-                     cfg.share_prefixes, episodes=episodes),
+                     cfg.share_prefixes, episodes=episodes, agent=agent),
         reward=RewardSpec(run_rewards(cfg), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
@@ -113,6 +115,22 @@ def episode_params(cfg: Config) -> EpisodeParams | None:
     return EpisodeParams(cfg.episode_environment, dict(cfg.env_kwargs), cfg.max_turns,
                          cfg.max_turn_tokens, cfg.max_episode_tokens, cfg.env_step_timeout_s,
                          step_cut_turns=cfg.step_cut_turns, routes=cfg.environment_routes())
+
+
+def agent_params(cfg: Config) -> AgentParams | None:
+    """Agent episodes' settings, or None; ``agent_chat_template`` is read here, so a file
+    that cannot be read is a ``ConfigError`` before anything starts."""
+    if not cfg.agent:
+        return None
+    template = None
+    if cfg.agent_chat_template:
+        try:
+            template = Path(cfg.agent_chat_template).read_text()
+        except OSError as err:
+            raise ConfigError(f"agent_chat_template = {cfg.agent_chat_template!r} cannot be "
+                              f"read: {err.strerror}") from None
+    return AgentParams(BUILTIN_AGENTS.get(cfg.agent, cfg.agent), cfg.agent_timeout_s,
+                       cfg.agent_concurrency, template)
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,

@@ -30,6 +30,8 @@ BUILTIN_ENVIRONMENTS = {
     "python": "rlhfless.ops.rollouts.env:PythonToolEnv",
     "tally-tool": "rlhfless.ops.toy.tinytool:TallyToolEnv",
 }
+# agents by name (``ops/rollouts/agent.py``), imported only where an agent episode runs
+BUILTIN_AGENTS = {"tally-agent": "rlhfless.ops.toy.tinytool:tally_agent"}
 
 
 Message = dict  # a chat message {"role": str, "content": str}

@@ -160,14 +160,16 @@ def _open(ep: _Episode, makers: dict, params: EpisodeParams):
     return observation
 
 
-def render_messages(tokenizer, messages: list[dict]) -> str:
-    """Chat messages as the text the chat template puts after a conversation: the template
-    of ``[a user turn, an assistant turn] + messages`` (with the generation prompt) less that
-    of the first two. Rendered once per observation; the history is never rendered again."""
+def render_messages(tokenizer, messages: list[dict], chat_template: str | None = None) -> str:
+    """Chat messages as the text the chat template (the tokenizer's, or ``chat_template``)
+    puts after a conversation: the template of ``[a user turn, an assistant turn] +
+    messages`` (with the generation prompt) less that of the first two. Rendered once per
+    observation; the history is never rendered again."""
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
+    kwargs = {"chat_template": chat_template} if chat_template else {}
+    before = tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
     after = tokenizer.apply_chat_template(base + messages, tokenize=False,
-                                          add_generation_prompt=True)
+                                          add_generation_prompt=True, **kwargs)
     if not after.startswith(before):
         raise ValueError("the chat template renders a conversation differently once messages "
                          "follow it; observations cannot be appended as chat messages")

@@ -123,7 +123,8 @@ def build_tokenizer(recipe: TinyRecipe) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _task_module(recipe.task).corpus_lines(recipe.task, recipe.seed)
+    module = _task_module(recipe.task)
+    corpus = module.corpus_lines(recipe.task, recipe.seed)
     tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -132,7 +133,7 @@ def build_tokenizer(recipe: TinyRecipe) -> PreTrainedTokenizerFast:
         bos_token="<bos>",
         eos_token="<eos>",
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=getattr(module, "CHAT_TEMPLATE", CHAT_TEMPLATE),  # a task's own, if any
     )
 
 

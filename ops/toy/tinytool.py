@@ -18,6 +18,11 @@ As in ``ops/toy/tinytask.py``, the warm start imitates a noisy demonstrator: eve
 calls the tool correctly, but in ``demo_error_rate`` of them the total is off by one, so the
 warm-started model uses the tool and enumerates, and RL has the total to fix. Demonstrations
 are ``segments`` (text, trained?): the prompt and the observation are not trained on.
+
+The same task as an agent (``agent = "tally-agent"``): ``tally_agent`` plays it with the
+``openai`` client against the worker's endpoint, the lookup tool as an OpenAI tool call; the
+tokenizer's ``CHAT_TEMPLATE`` renders a chat of it in exactly the format above, so the
+warm-started model sees what it was trained on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import random
 from dataclasses import dataclass
 
 from ..rollouts.env import ToolEnvironment
+from ..rollouts.reward import VERIFIERS
 from ..rollouts.tools import Tool
 from .tinytask import WORDS, make_response
 
@@ -46,6 +52,27 @@ class TallyToolTask:
     n_train: int = 2048
     n_heldout: int = 256
     n_sft: int = 8000
+    files: int = 2  # the tokenizer's files' version (2: its chat template is the task's)
+
+
+# a chat of the task in its own format: the prompt, tool calls then EOS, the tool responses
+# then the cue, an answer then EOS (``observation``; nothing added for the generation)
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- for c in m.get('tool_calls') or [] -%}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{%- endfor -%}"
+    "{{ m['content'] or '' }}{{ eos_token }}"
+    "{%- elif m['role'] == 'tool' -%}<tool_response>{{ m['content'] }}</tool_response>\n"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}" + NEXT_TURN + "{%- endif -%}"
+    "{%- else -%}{{ m['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "List the items in a box.",
+    "parameters": {"type": "object", "properties": {"box": {"type": "string"}},
+                   "required": ["box"]}}}
 
 
 def box_items(box: int, max_items: int = TallyToolTask.max_items) -> list[str]:
@@ -122,3 +149,23 @@ class TallyToolEnv(ToolEnvironment):
                      {"type": "object", "properties": {"box": {"type": "string"}},
                       "required": ["box"]},
                      lambda box: " ".join(box_items(int(box), self.max_items)))]
+
+
+def tally_agent(client, row: dict, model: str) -> float:
+    """The task as an agent: ask, run each ``lookup`` call the answer makes and send its
+    result back, until an answer without tool calls; 1 if its total is the row's answer."""
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    for _ in range(3):
+        reply = client.chat.completions.create(model=model, messages=messages,
+                                               tools=[LOOKUP_TOOL])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return VERIFIERS["exact"](message.content or "", row["answer"])
+        for call in message.tool_calls:
+            try:
+                items = " ".join(box_items(int(json.loads(call.function.arguments)["box"])))
+            except (ValueError, KeyError, TypeError) as err:
+                items = f"error: {err}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": items})
+    return 0.0

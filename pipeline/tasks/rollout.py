@@ -23,6 +23,7 @@ from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.protocol import GenerationBackend, StopRule
 from rlhfless.ops.engine.publish import WeightsRef, require_version
+from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 
 from .engines import EngineSpec, worker_name
@@ -36,6 +37,7 @@ class GenSpec:
     share_prefixes: bool = True
     max_staleness: int = 0  # async: versions the engine may lag the consuming trainer
     episodes: EpisodeParams | None = None  # multi-turn rollouts against an environment
+    agent: AgentParams | None = None  # agent episodes against the worker's endpoint
 
 
 _ENGINE: dict[str, GenerationBackend] = {}
@@ -82,7 +84,7 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
     need = weights.version if target_version is None else target_version
     require_version(engine.version, need, f"worker {worker_name()}", spec.max_staleness)
     params = seeded(spec, seed)
-    if spec.episodes is not None:
+    if spec.episodes is not None or spec.agent is not None:
         return _episodes(engine, shard, spec, params, cold)
     table, stats = engine.generate(shard, spec.n_samples, params, worker=worker_name(),
                                    share_prefixes=spec.share_prefixes)
@@ -99,11 +101,14 @@ def _generated(table: pa.Table, stats: GenerationStats, cold: float) -> Generate
 
 def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
               params: SamplingParams, cold: float) -> Generated:
-    """Multi-turn rollouts of a shard (``ops/rollouts/episode.py``); generation seconds and
-    environment seconds are reported apart (``gen_seconds``, ``env_seconds``)."""
+    """Multi-turn rollouts of a shard against an environment (``ops/rollouts/episode.py``)
+    or an agent (``ops/rollouts/agent.py``); generation seconds and the environment's or
+    agent's seconds are reported apart (``gen_seconds``, ``env_seconds``)."""
     stats = GenerationStats()
-    table, episodes = run_episodes(engine, shard, spec.n_samples, params, spec.episodes,
-                                   worker=worker_name(), stats=stats)
+    play = run_episodes if spec.agent is None else run_agent_episodes
+    table, episodes = play(engine, shard, spec.n_samples, params,
+                           spec.episodes if spec.agent is None else spec.agent,
+                           worker=worker_name(), stats=stats)
     stats.episodes = episodes
     return _generated(table, stats, cold)
 
@@ -137,7 +142,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     engine, cold = generation_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     params = seeded(spec, seed)
-    if spec.episodes is not None:  # episodes run whole: there is no tail to cut
+    if spec.episodes is not None or spec.agent is not None:  # episodes run whole: no tail
         return {"done": _episodes(engine, shard, spec, params, cold), "cut": shard.slice(0, 0)}
     stop = StopRule(until_finished, None if pause_event is None else PauseFlag(pause_event))
     chunk = engine.generate_until(shard, spec.n_samples, params, stop, worker=worker_name(),

@@ -1,0 +1,229 @@
+"""Agent episodes: user code that calls an OpenAI-compatible endpoint, trained token-exact.
+
+``agent = "module:function"`` names a function ``agent(client, row, model) -> reward``: an
+``openai.OpenAI`` client set up for its episode (the worker's endpoint, the episode's own
+key), the prompt's row (every dataset column, ``prompt_text`` among them) and the model
+name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in a child
+process (``agent_child.py``, one per shard, every episode on a thread of it, each under
+``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their requests from
+the engine in batches. What the episode becomes is built from the requests as the server
+recorded them, never from text:
+
+* a **linear conversation** (each request's prompt ids start with the previous request's
+  prompt ids and the sample it got) is one trajectory: the first prompt, then each sample's
+  ids (trained: ``loss_mask`` 1, with behaviour logprobs) and the ids the agent added before
+  its next request (tool results, its own messages: ``loss_mask`` 0);
+* a request that does not extend the conversation (a sub-agent, a retry, a branch, a
+  sample of ``n > 1`` beyond the first) starts a trajectory of its own; every trajectory of
+  the episode carries the episode's reward;
+* an agent that raises, overruns its limit, returns no finite number or never calls the
+  model ends its episode as an error (``env_error``; ``finish_reason = "error"``), never the
+  shard.
+
+Each row's ``env_seconds`` is the episode's time outside the model (its wall time less the
+seconds its requests took), beside the model seconds in ``GenerationStats``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from ..data.records import record_fields
+from ..data.schema import EPISODES
+from ..engine.gen_stats import EpisodeStats, GenerationStats
+from ..engine.generate import SamplingParams, expand_samples, rollouts_table, row_keys
+from ..engine.protocol import GenerationBackend
+
+if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported where an agent runs
+    from .agent_server import AgentEndpoint, Call
+
+_ENDPOINT: list[AgentEndpoint] = []  # this process's endpoint, started on first use
+
+
+@dataclass(frozen=True)
+class AgentParams:
+    agent: str  # "module:function"
+    timeout_s: float = 60.0  # per episode, from its start
+    concurrency: int = 16  # episodes at once in the agent process
+    chat_template: str | None = None  # None: the tokenizer's
+
+    def __post_init__(self) -> None:
+        if ":" not in self.agent:
+            raise ValueError(f"agent = {self.agent!r}: use 'module:function'")
+        if not self.timeout_s > 0 or self.concurrency < 1:
+            raise ValueError("agent timeout_s must be > 0 and concurrency >= 1")
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    mask: list[int]
+    finish: str
+    calls: int
+
+
+def endpoint() -> AgentEndpoint:
+    """This process's agent endpoint (started on the first call)."""
+    if not _ENDPOINT:
+        from .agent_server import AgentEndpoint
+
+        server = AgentEndpoint()
+        server.start()
+        _ENDPOINT.append(server)
+    return _ENDPOINT[0]
+
+
+def trajectories(calls: list[Call]) -> list[Trajectory]:
+    """The episode's trajectories from its requests in order (see the module docstring)."""
+    out: list[Trajectory] = []
+    for call in calls:
+        for s, (ids, logprobs, finish) in enumerate(call.samples):
+            whole = None
+            if s == 0:
+                whole = next((t for t in reversed(out)
+                              if _extends(call.prompt_ids, t)), None)
+            if whole is None:
+                out.append(Trajectory(list(call.prompt_ids), list(ids), list(logprobs),
+                                      [1] * len(ids), finish, 1))
+                continue
+            added = call.prompt_ids[len(whole.prompt_ids) + len(whole.ids):]
+            whole.ids += added + list(ids)
+            whole.logprobs += [0.0] * len(added) + list(logprobs)
+            whole.mask += [0] * len(added) + [1] * len(ids)
+            whole.finish, whole.calls = finish, whole.calls + 1
+    return out
+
+
+def _extends(prompt: list[int], t: Trajectory) -> bool:
+    so_far = t.prompt_ids + t.ids
+    return len(prompt) >= len(so_far) and prompt[:len(so_far)] == so_far
+
+
+def play_agents(engine: GenerationBackend, rows: pa.Table, sampling: SamplingParams,
+                params: AgentParams, stats: GenerationStats) -> list[tuple[dict, list[Call]]]:
+    """One agent episode per row (``expand_samples``' rows) on ``engine``: each episode's
+    outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) and its requests as the
+    endpoint recorded them."""
+    server = endpoint()
+    server.set_engine(engine, sampling, params.chat_template)
+    server.stats = stats
+    texts = engine.tokenizer.batch_decode(rows.column("prompt_ids").to_pylist(),
+                                          skip_special_tokens=True) if len(rows) else []
+    tokens = [server.open_episode(int(k)) for k in row_keys(sampling.seed, rows)]
+    episodes = [{"api_key": t, "row": _plain(record_fields(r) | {"prompt_text": text})}
+                for t, r, text in zip(tokens, rows.to_pylist(), texts)]
+    try:
+        outcomes = _run_agents(params, server, episodes)
+    finally:
+        records = [server.close_episode(t) for t in tokens]
+    return list(zip(outcomes, records))
+
+
+def run_agent_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: int,
+                       sampling: SamplingParams, params: AgentParams, *,
+                       worker: str = "local",
+                       stats: GenerationStats | None = None) -> tuple[pa.Table, EpisodeStats]:
+    """The shard's agent episodes as rows: the ``ROLLOUTS`` columns (``prompt_ids`` the
+    first request's, ``response_ids`` the rest of the trajectory) plus ``schema.EPISODES``;
+    one row per trajectory, so an episode of several gives several rows of its prompt."""
+    stats = stats if stats is not None else GenerationStats()
+    rows, start = expand_samples(prompts, n_samples), time.time()
+    played = play_agents(engine, rows, sampling, params, stats)
+    return agent_rows(rows, played, engine, worker=worker, start=start)
+
+
+def agent_rows(rows: pa.Table, played: list[tuple[dict, list[Call]]],
+               engine: GenerationBackend, *, worker: str,
+               start: float) -> tuple[pa.Table, EpisodeStats]:
+    """The table of ``run_agent_episodes`` from ``play_agents``' episodes of ``rows``."""
+    out_rows, results, extra, est = [], [], [], EpisodeStats()
+    per_prompt: dict[str, int] = {}
+    for row, (outcome, calls) in zip(rows.to_pylist(), played):
+        error = outcome.get("error")
+        if error is None and not calls:
+            error = "the agent never called the model"
+        model_s = sum(c.seconds for c in calls)
+        agent_s = max(0.0, float(outcome.get("seconds", 0.0)) - model_s)
+        reward = 0.0 if error is not None else float(outcome["reward"])
+        found = trajectories(calls) or [Trajectory(row["prompt_ids"], [], [], [], "error", 0)]
+        est.episodes += 1
+        est.env_errors += error is not None
+        est.env_seconds += agent_s
+        est.env_calls += len(calls)
+        for t in found:
+            sample = per_prompt.get(row["prompt_id"], 0)
+            per_prompt[row["prompt_id"]] = sample + 1
+            out_rows.append(row | {"prompt_ids": t.prompt_ids, "sample_idx": sample})
+            results.append((t.ids, t.logprobs, "error" if error is not None else t.finish))
+            extra.append((t.mask, t.calls, reward, error, agent_s))
+            est.turns += t.calls
+            est.observation_tokens += t.mask.count(0)
+    table = rollouts_table(pa.Table.from_pylist(out_rows, schema=rows.schema), results,
+                           engine.tokenizer, policy_version=engine.version, worker=worker,
+                           start=start, end=time.time())
+    columns = {
+        "loss_mask": pa.array([e[0] for e in extra], pa.list_(pa.int8())),
+        "turns": pa.array([e[1] for e in extra], pa.int32()),
+        "env_reward": pa.array([e[2] for e in extra], pa.float64()),
+        "turn_rewards": pa.array([[] for _ in extra], pa.list_(pa.float64())),
+        "env_error": pa.array([e[3] for e in extra], pa.string()),
+        "env_seconds": pa.array([e[4] for e in extra], pa.float64()),
+    }
+    for name, column in columns.items():
+        table = table.append_column(EPISODES.field(name), column)
+    return table, est
+
+
+def _plain(row: dict) -> dict:
+    """The row as JSON can carry it (bytes and other odd values as text)."""
+    return json.loads(json.dumps(row, default=str))
+
+
+def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]) -> list[dict]:
+    """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from one
+    agent process; it is killed once every episode should have ended."""
+    if not episodes:
+        return []
+    job = {"agent": params.agent, "base_url": server.base_url, "model": server.model_name,
+           "timeout_s": params.timeout_s, "concurrency": params.concurrency,
+           "episodes": episodes}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    waves = math.ceil(len(episodes) / params.concurrency)
+    limit = params.timeout_s * waves + 30.0
+    outcomes: dict[int, dict] = {}
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhfless.ops.rollouts.agent_child"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                env=env)
+        def read() -> None:
+            for line in proc.stdout:
+                out = json.loads(line)
+                outcomes[out.pop("i")] = out
+
+        try:
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(limit)  # the child reports every episode within its limit
+        finally:
+            proc.kill()
+            proc.wait()
+        err.seek(0)
+        said = " ".join(err.read().decode(errors="replace").split())[-300:]
+    missing = {"error": f"the agent process ended without this episode's result ({said})",
+               "seconds": 0.0}
+    return [outcomes.get(i, missing) for i in range(len(episodes))]

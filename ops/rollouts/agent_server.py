@@ -1,0 +1,311 @@
+"""An OpenAI-compatible endpoint on a generation worker, served from its engine, for agents.
+
+``AgentEndpoint`` serves ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``GET /v1/models`` (OpenAI's request and response shapes; FastAPI on uvicorn, in a thread of
+the worker's process, bound to loopback: the agents it serves are the worker's own child
+processes). Each episode gets its own bearer key (``open_episode``); a request without a key
+that is open gets 401 and nothing else, and a key stops working when its episode is closed.
+
+Requests of all open episodes are batched: a dispatcher thread takes what has arrived
+within ``batch_window_s`` of the first and samples it in one ``decode_turns`` call of the
+engine protocol (``ops/engine/protocol.py``), so concurrent agents decode together as
+rollouts do, at the weights the task set. Every request is recorded token-exact as the
+server saw it (``Call``: the prompt ids after the chat template, each sample's ids, behaviour
+logprobs and finish reason, and its seconds); ``close_episode`` hands the record back.
+``n`` samples of a request are drawn under their own keys, derived from the episode's key
+and the samples drawn before, so an episode replays the same draws on the same engine.
+Not served: streaming (400), and ``tool_choice`` other than "auto" / "none" is accepted but
+not enforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..engine.gen_stats import GenerationStats
+from ..engine.generate import SamplingParams
+from ..engine.protocol import GenerationBackend, Turn
+from ..engine.seeds import subkeys
+from .agent_render import (
+    BadRequest,
+    assistant_message,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    continued_prompt_ids,
+    cut_at_stop,
+)
+
+
+@dataclass
+class Call:
+    """One request as the server saw it: prompt ids, and per sample (ids, logprobs, finish)."""
+
+    prompt_ids: list[int]
+    samples: list[tuple[list[int], list[float], str]]
+    seconds: float
+
+
+@dataclass
+class _Episode:
+    key: int  # the episode's sampling key
+    calls: list[Call] = field(default_factory=list)
+    drawn: int = 0  # samples drawn so far (each draws under subkeys(key, drawn))
+    # the last chat request: its messages, prompt ids, and each answer with its sampled ids
+    chat: tuple[list[dict], list[int], list[tuple[dict, list[int]]]] | None = None
+
+
+@dataclass
+class _Job:
+    turns: list[Turn]
+    params: SamplingParams
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class AgentEndpoint:
+    """See the module docstring. ``start`` once per process; ``open_episode`` / ``close_episode``
+    around each agent episode; ``set_engine`` before each task (its weights, its sampling)."""
+
+    def __init__(self, model_name: str = "rlhfless", batch_window_s: float = 0.005) -> None:
+        self.model_name, self.batch_window_s = model_name, batch_window_s
+        self.engine: GenerationBackend | None = None
+        self.sampling = SamplingParams()
+        self.chat_template: str | None = None
+        self.stats = GenerationStats()
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._server: Any = None
+        self.base_url = ""
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Serve on a free loopback port; returns the base URL (``http://127.0.0.1:<port>/v1``)."""
+        import uvicorn
+
+        config = uvicorn.Config(build_app(self), host="127.0.0.1", port=0, log_level="error",
+                                lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        threading.Thread(target=self._server.run, name="rlhfless-endpoint", daemon=True).start()
+        threading.Thread(target=self._dispatch, name="rlhfless-endpoint-batch",
+                         daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the agent endpoint did not start within 30 s")
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        return self.base_url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._jobs.put(None)
+            self._server = None
+
+    def set_engine(self, engine: GenerationBackend, sampling: SamplingParams,
+                   chat_template: str | None) -> None:
+        self.engine, self.sampling, self.chat_template = engine, sampling, chat_template
+
+    def open_episode(self, key: int) -> str:
+        """A new episode drawing under sampling ``key``; returns its bearer key."""
+        token = secrets.token_urlsafe(24)
+        with self._lock:
+            self._episodes[token] = _Episode(int(key))
+        return token
+
+    def close_episode(self, token: str) -> list[Call]:
+        """The episode's calls in order; its key stops working."""
+        with self._lock:
+            episode = self._episodes.pop(token, None)
+        return [] if episode is None else episode.calls
+
+    def episode_of(self, authorization: str | None) -> _Episode | None:
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        with self._lock:
+            return self._episodes.get(authorization[len("Bearer "):].strip())
+
+    # ---- sampling ----------------------------------------------------------------------
+
+    async def sample(self, episode: _Episode, prompt_ids: list[int], body: dict) -> Call:
+        """Sample the request ``body`` asks for on ``prompt_ids``; records and returns it."""
+        if body.get("stream"):
+            raise BadRequest("streaming is not served; send stream = false")
+        engine = self.engine
+        if engine is None:
+            raise BadRequest("no engine is serving (no agent task is running)")
+        n = int(body.get("n") or 1)
+        if not 1 <= n <= 64:
+            raise BadRequest(f"n = {n}: allowed 1 to 64")
+        limit = engine.max_context or (len(prompt_ids) + self.sampling.max_new_tokens)
+        want = body.get("max_tokens") or body.get("max_completion_tokens") \
+            or self.sampling.max_new_tokens
+        budget = min(int(want), limit - len(prompt_ids))
+        if budget < 1:
+            raise BadRequest(f"the prompt is {len(prompt_ids)} tokens: no room left in the "
+                             f"model's context of {limit}")
+        temperature = body.get("temperature")
+        params = replace(self.sampling, max_new_tokens=budget,
+                         greedy=self.sampling.greedy or temperature == 0,
+                         temperature=float(temperature) if temperature else
+                         self.sampling.temperature,
+                         top_p=float(body.get("top_p") or self.sampling.top_p))
+        with self._lock:
+            keys = subkeys(np.full(n, episode.key, dtype=np.uint64),
+                           np.arange(episode.drawn, episode.drawn + n, dtype=np.uint64))
+            episode.drawn += n
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        job = _Job([Turn(list(prompt_ids), budget, int(k)) for k in keys], params,
+                   loop.create_future(), loop)
+        self._jobs.put(job)
+        samples = await job.done
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        samples = [cut_at_stop(engine.tokenizer, *s, stop) for s in samples]
+        call = Call(list(prompt_ids), samples, time.perf_counter() - started)
+        with self._lock:
+            episode.calls.append(call)
+        return call
+
+    def _dispatch(self) -> None:
+        """The batching thread: every request that arrived within the window, one engine
+        call per sampling parameters."""
+        while (first := self._jobs.get()) is not None:
+            jobs = [first]
+            deadline = time.perf_counter() + self.batch_window_s
+            while (left := deadline - time.perf_counter()) > 0:
+                try:
+                    job = self._jobs.get(timeout=left)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._jobs.put(None)
+                    break
+                jobs.append(job)
+            groups: dict[SamplingParams, list[_Job]] = {}
+            for job in jobs:
+                groups.setdefault(replace(job.params, max_new_tokens=1), []).append(job)
+            for group in groups.values():
+                self._run(group)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        turns = [t for job in jobs for t in job.turns]
+        params = replace(jobs[0].params,
+                         max_new_tokens=max(t.budget for t in turns))
+        try:
+            self.engine.decode_turns(turns, params, self.stats, keep_cache=False)
+            outcome: Any = None
+        except BaseException as err:  # the request fails, the server goes on
+            outcome = err
+        for job in jobs:
+            if outcome is None:
+                value = [t.result for t in job.turns]
+                job.loop.call_soon_threadsafe(_settle, job.done, value, None)
+            else:
+                job.loop.call_soon_threadsafe(_settle, job.done, None, outcome)
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def build_app(endpoint: AgentEndpoint):
+    """The FastAPI application of ``endpoint``."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, code: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                       "code": code}}, status_code=status)
+
+    async def served(request: Request, render) -> JSONResponse:
+        episode = endpoint.episode_of(request.headers.get("authorization"))
+        if episode is None:
+            return error(401, "no valid bearer key for an open episode", "invalid_api_key")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            return JSONResponse(await render(episode, body))
+        except BadRequest as err:
+            return error(400, str(err), "bad_request")
+        except ValueError as err:  # malformed JSON
+            return error(400, f"the request body is not JSON: {err}", "bad_request")
+
+    async def chat(episode: _Episode, body: dict) -> dict:
+        tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
+        if tok is None:
+            raise BadRequest("no engine is serving (no agent task is running)")
+        messages = body.get("messages")
+        prompt = None
+        if episode.chat is not None and isinstance(messages, list):
+            prompt = continued_prompt_ids(tok, messages, *episode.chat, endpoint.chat_template)
+        if prompt is None:
+            prompt = chat_prompt_ids(tok, messages, body.get("tools"), endpoint.chat_template)
+        call = await endpoint.sample(episode, prompt, body)
+        parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        choices = []
+        for i, (ids, _, finish) in enumerate(call.samples):
+            text = tok.decode(ids, skip_special_tokens=True)
+            message, calls_tools = (assistant_message(text, f"call-{len(episode.calls)}-{i}")
+                                    if parse_tools else ({"role": "assistant",
+                                                          "content": text}, False))
+            choices.append({"index": i, "message": message, "logprobs": None,
+                            "finish_reason": "tool_calls" if calls_tools else finish})
+        episode.chat = (list(messages), prompt,
+                        [(c["message"], s[0]) for c, s in zip(choices, call.samples)])
+        return _response("chat.completion", endpoint.model_name, call, choices)
+
+    async def completions(episode: _Episode, body: dict) -> dict:
+        tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
+        if tok is None:
+            raise BadRequest("no engine is serving (no agent task is running)")
+        call = await endpoint.sample(episode, completion_prompt_ids(tok, body.get("prompt")),
+                                     body)
+        choices = [{"index": i, "text": tok.decode(ids, skip_special_tokens=True),
+                    "logprobs": None, "finish_reason": finish}
+                   for i, (ids, _, finish) in enumerate(call.samples)]
+        return _response("text_completion", endpoint.model_name, call, choices)
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: Request):
+        return await served(request, chat)
+
+    @app.post("/v1/completions")
+    async def completions_route(request: Request):
+        return await served(request, completions)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if endpoint.episode_of(request.headers.get("authorization")) is None:
+            return error(401, "no valid bearer key for an open episode", "invalid_api_key")
+        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
+                                            "owned_by": "rlhfless"}]}
+
+    return app
+
+
+def _response(kind: str, model: str, call: Call, choices: list[dict]) -> dict:
+    completion = sum(len(s[0]) for s in call.samples)
+    return {"id": f"rlhfless-{secrets.token_hex(8)}", "object": kind,
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
+                      "total_tokens": len(call.prompt_ids) + completion}}

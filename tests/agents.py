@@ -1,0 +1,57 @@
+"""Agents for the agent-episode tests, named ``"agents:<function>"`` (the agent process
+imports them by name: it inherits the test's ``sys.path``). Each is written against the
+``openai`` client as an agent author would; none builds a request by hand."""
+
+from __future__ import annotations
+
+import time
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "List the items in a box.",
+    "parameters": {"type": "object", "properties": {"box": {"type": "string"}},
+                   "required": ["box"]}}}
+
+
+def two_turns(client, row, model):
+    """Two requests of one conversation: the first answer goes back (a tool result for each
+    tool call it made, else a user message), then the last answer's length is the reward."""
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP],
+                                           max_tokens=8)
+    answer = first.choices[0].message
+    messages.append(answer.model_dump(exclude_none=True))
+    if answer.tool_calls:
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "fig pear"}
+                     for c in answer.tool_calls]
+    else:
+        messages.append({"role": "user", "content": "Items: fig pear\nAnswer:"})
+    second = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP],
+                                            max_tokens=8)
+    return float(len(second.choices[0].message.content or ""))
+
+
+def branches(client, row, model):
+    """A request of two samples, then one of completions that extends neither."""
+    client.chat.completions.create(model=model, n=2, max_tokens=6,
+                                   messages=[{"role": "user", "content": row["prompt_text"]}])
+    client.completions.create(model=model, prompt="Items: kiwi\nAnswer:", max_tokens=6)
+    return 1.0
+
+
+def raises(client, row, model):
+    client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
+    raise RuntimeError("the agent broke")
+
+
+def hangs(client, row, model):
+    time.sleep(30)
+    return 1.0
+
+
+def never_calls(client, row, model):
+    return 1.0
+
+
+def not_a_number(client, row, model):
+    client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
+    return "yes"

@@ -1,0 +1,150 @@
+"""Agent episodes against the OpenAI-compatible endpoint, with the real ``openai`` client in
+the agent process (``tests/agents.py``) and our engine on the tiny model: trajectories are
+the recorded token ids in order, agent-side tokens take no part in the loss, a request
+without its episode's key is refused, and a failing agent ends only its own episode."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import httpx
+import openai
+import pyarrow as pa
+import pytest
+import torch
+
+from rlhfless.ops.algo.update import UpdateParams, update_policy
+from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.forward import response_logprobs
+from rlhfless.ops.engine.gen_stats import GenerationStats
+from rlhfless.ops.engine.generate import SamplingParams, expand_samples
+from rlhfless.ops.rollouts.agent import (
+    AgentParams,
+    agent_rows,
+    endpoint,
+    play_agents,
+    run_agent_episodes,
+)
+
+TEXTS = ["Items: fig pear\nAnswer:", "Items: plum\nAnswer:", "Count: kiwi lime\nAnswer:"]
+SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model64, tokenizer):
+    """Our engine on the float64 model: a recomputation differs from its logprobs only by
+    the table's float32 rounding (relative 6e-8 of values below 20: < 2e-6)."""
+    return HFBackend.of_model(model64, tokenizer)
+
+
+def _play(engine, prompts, agent: str, n: int = 2, **kw):
+    rows = expand_samples(prompts, n)
+    return rows, play_agents(engine, rows, SAMPLING, AgentParams(agent, **kw),
+                             GenerationStats())
+
+
+def test_a_two_turn_agents_trajectory_is_its_recorded_ids_in_order(engine, make_prompts):
+    rows, played = _play(engine, make_prompts(TEXTS), "agents:two_turns")
+    for outcome, calls in played:
+        assert "error" not in outcome and len(calls) == 2
+        (p1, (s1, l1, _)), (p2, (s2, l2, _)) = [(c.prompt_ids, c.samples[0]) for c in calls]
+        # the second request continued the first token for token: its sampled ids as sampled
+        assert p2[:len(p1) + len(s1)] == p1 + s1 and len(p2) > len(p1) + len(s1)
+    table, stats = agent_rows(rows, played, engine, worker="w", start=time.time())
+    assert len(table) == len(rows) and stats.episodes == len(rows) and stats.env_errors == 0
+    for row, (outcome, calls) in zip(table.to_pylist(), played):
+        (p1, (s1, l1, _)), (p2, (s2, l2, _)) = [(c.prompt_ids, c.samples[0]) for c in calls]
+        added = p2[len(p1) + len(s1):]
+        assert row["prompt_ids"] == p1
+        assert row["response_ids"] == s1 + added + s2
+        assert row["loss_mask"] == [1] * len(s1) + [0] * len(added) + [1] * len(s2)
+        assert row["logprobs"] == pytest.approx(l1 + [0.0] * len(added) + l2, abs=0)
+        assert row["env_reward"] == outcome["reward"] and row["turns"] == 2
+    # behaviour logprobs are the model's on exactly these ids: nothing was re-tokenized
+    with torch.no_grad():
+        logp, _ = response_logprobs(engine.model, table.column("prompt_ids").to_pylist(),
+                                    table.column("response_ids").to_pylist(),
+                                    engine.tokenizer.pad_token_id, 1.0)
+    for i, row in enumerate(table.to_pylist()):
+        at = [j for j, m in enumerate(row["loss_mask"]) if m]
+        torch.testing.assert_close(logp[i, at].float(), torch.tensor(row["logprobs"])[at],
+                                   atol=2e-6, rtol=0)
+
+
+def test_requests_that_extend_nothing_are_samples_of_their_own(engine, make_prompts):
+    table, _ = run_agent_episodes(engine, make_prompts(TEXTS[:2]), 1, SAMPLING,
+                                  AgentParams("agents:branches"))
+    # per episode: two samples of the first request, and the completions request
+    assert len(table) == 3 * 2
+    for pid in table.column("prompt_id").unique().to_pylist():
+        mine = [r for r in table.to_pylist() if r["prompt_id"] == pid]
+        assert sorted(r["sample_idx"] for r in mine) == [0, 1, 2]
+        assert {r["env_reward"] for r in mine} == {1.0}  # the episode's reward, shared
+        assert all(set(r["loss_mask"]) <= {1} for r in mine)
+
+
+def test_agent_tokens_take_no_part_in_the_loss(model, engine, make_prompts):
+    """Changing the agent-side tokens' behaviour logprobs changes neither the loss nor the
+    gradient; changing a sampled token's does."""
+    table, _ = run_agent_episodes(engine, make_prompts(TEXTS), 2, SAMPLING,
+                                  AgentParams("agents:two_turns"))
+    masks = table.column("loss_mask").to_pylist()
+    n = len(table)
+    trainable = table.append_column("reward", pa.array([0.0] * n, pa.float64())) \
+        .append_column("reward_error", pa.array([None] * n, pa.string())) \
+        .append_column("advantage", pa.array([1.0, -1.0] * (n // 2), pa.float32()))
+
+    def loss_and_grad(logprobs):
+        net = copy.deepcopy(model)
+        t = trainable.set_column(trainable.column_names.index("logprobs"), "logprobs",
+                                 pa.array(logprobs, pa.list_(pa.float32())))
+        out = update_policy(net, torch.optim.SGD(net.parameters(), lr=0.0), t,
+                            UpdateParams(), engine.tokenizer.pad_token_id)
+        assert out["tokens"] == sum(map(sum, masks))
+        return out["loss"], torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    base = table.column("logprobs").to_pylist()
+    agent_side = [[lp - 5.0 if m == 0 else lp for lp, m in zip(lps, mask)]
+                  for lps, mask in zip(base, masks)]
+    sampled = [[lp - 0.5 if m == 1 else lp for lp, m in zip(lps, mask)]
+               for lps, mask in zip(base, masks)]
+    loss, grad = loss_and_grad(base)
+    loss_agent, grad_agent = loss_and_grad(agent_side)
+    assert loss_agent == loss and torch.equal(grad_agent, grad)
+    assert loss_and_grad(sampled)[0] != loss
+
+
+def test_a_request_without_the_episodes_key_is_refused(engine):
+    server = endpoint()
+    server.set_engine(engine, SAMPLING, None)
+    token = server.open_episode(7)
+    good = openai.OpenAI(base_url=server.base_url, api_key=token, max_retries=0)
+    assert good.completions.create(model="m", prompt="Items: fig\nAnswer:", max_tokens=3)
+    wrong = openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="m", prompt="Items: fig\nAnswer:", max_tokens=3)
+    bare = httpx.post(f"{server.base_url}/chat/completions",
+                      json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert bare.status_code == 401 and set(bare.json()) == {"error"}
+    assert len(server.close_episode(token)) == 1  # only the authorised request was served
+    with pytest.raises(openai.AuthenticationError):  # a closed episode's key stops working
+        good.completions.create(model="m", prompt="Items: fig\nAnswer:", max_tokens=3)
+
+
+@pytest.mark.parametrize(("agent", "said"), [
+    ("agents:raises", "RuntimeError: the agent broke"),
+    ("agents:hangs", "TimeoutError: the episode ran over 2 s"),
+    ("agents:never_calls", "the agent never called the model"),
+    ("agents:not_a_number", "not a finite number"),
+    ("agents:nosuch", "cannot be loaded"),
+])
+def test_a_failing_agent_ends_its_episode_as_an_error(engine, make_prompts, agent, said):
+    started = time.monotonic()
+    table, stats = run_agent_episodes(engine, make_prompts(TEXTS[:2]), 1, SAMPLING,
+                                      AgentParams(agent, timeout_s=2.0))
+    assert time.monotonic() - started < 20
+    assert stats.episodes == 2 and stats.env_errors == 2
+    assert set(table.column("finish_reason").to_pylist()) == {"error"}
+    assert all(said in e for e in table.column("env_error").to_pylist())
+    assert table.column("env_reward").to_pylist() == [0.0] * len(table)

@@ -1,0 +1,36 @@
+"""Agent episodes end to end on a real LocalCluster: each generation worker serves its
+episodes' requests from its engine, the trajectories train, and an agent that fails ends
+only its own episodes."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlhfless.pipeline.config import Config, ConfigError
+from rlhfless.pipeline.train.loop import train
+
+
+def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="agent",
+                 agent="agents:two_turns", iterations=2, batch_prompts=4, n_samples=2,
+                 max_new_tokens=8, heldout_prompts=4, eval_every=2, checkpoint_every=100,
+                 gen_workers=2, train_threads=1, agent_timeout_s=30)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    iterations = [m for m in run.metrics() if m.get("event") == "iteration"]
+    assert [m["iteration"] for m in iterations] == [1, 2]
+    assert all(m["episodes"] == 8 and m["env_errors"] == 0 for m in iterations)
+    rows = pq.read_table(run.path / "rollouts" / "iter-00001.parquet").to_pylist()
+    assert len(rows) == 8 and {r["turns"] for r in rows} == {2}
+    assert all(0 in r["loss_mask"] and r["loss_mask"][0] == 1 for r in rows)
+    assert {r["worker"] for r in rows} <= {"gen-0", "gen-1"}
+
+
+def test_agent_config_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="agent = 'nope'"):
+        Config(agent="nope")
+    with pytest.raises(ConfigError, match="plays its own episodes"):
+        Config(agent="agents:two_turns", environment="python")
+    with pytest.raises(ConfigError, match="agent_timeout_s"):
+        Config(agent="agents:two_turns", agent_timeout_s=0)
+    assert Config(task="tally-tool", agent="tally-agent").episode_environment == ""
