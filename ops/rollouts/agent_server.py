@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -81,6 +82,7 @@ class AgentEndpoint:
         self.engine: GenerationBackend | None = None
         self.sampling = SamplingParams()
         self.chat_template: str | None = None
+        self.threads = 1
         self.stats = GenerationStats()
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
@@ -117,7 +119,11 @@ class AgentEndpoint:
 
     def set_engine(self, engine: GenerationBackend, sampling: SamplingParams,
                    chat_template: str | None) -> None:
+        """Serve from ``engine`` with the task's ``sampling``; the engine runs on the
+        dispatcher thread with the calling thread's torch threads (OpenMP's count is each
+        thread's own, and vLLM's CPU attention checks it against its load's)."""
         self.engine, self.sampling, self.chat_template = engine, sampling, chat_template
+        self.threads = torch.get_num_threads()
 
     def open_episode(self, key: int) -> str:
         """A new episode drawing under sampling ``key``; returns its bearer key."""
@@ -207,6 +213,8 @@ class AgentEndpoint:
         params = replace(jobs[0].params,
                          max_new_tokens=max(t.budget for t in turns))
         try:
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
             self.engine.decode_turns(turns, params, self.stats, keep_cache=False)
             outcome: Any = None
         except BaseException as err:  # the request fails, the server goes on

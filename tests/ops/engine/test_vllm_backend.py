@@ -28,6 +28,7 @@ from vllm_support import require_vllm
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.forward import nucleus_mask, response_logprobs
+from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.protocol import StopRule
 from rlhfless.ops.engine.publish import publish_weights
@@ -207,6 +208,23 @@ def test_episodes_are_sampled_then_observation_ids_in_order(engine, prompts, tra
         at = [j for j, m in enumerate(row["loss_mask"]) if m]
         torch.testing.assert_close(logp[i, at], torch.tensor(row["logprobs"])[at],
                                    atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_an_agents_requests_are_served_by_vllm_token_exact(engine, prompts):
+    """An agent written against the ``openai`` client, served from this engine: its second
+    request continues the first token for token, and the trajectory is the recorded ids."""
+    from rlhfless.ops.engine.generate import expand_samples
+    from rlhfless.ops.rollouts.agent import AgentParams, agent_rows, play_agents
+
+    rows = expand_samples(prompts.slice(0, 3), 2)
+    played = play_agents(engine, rows, SamplingParams(8, seed=2),
+                         AgentParams("agents:two_turns"), GenerationStats())
+    table, stats = agent_rows(rows, played, engine, worker="w", start=time.time())
+    assert stats.env_errors == 0 and len(table) == len(rows)
+    for row, (_, calls) in zip(table.to_pylist(), played):
+        (p1, (s1, _, _)), (p2, (s2, _, _)) = [(c.prompt_ids, c.samples[0]) for c in calls]
+        assert p2[:len(p1) + len(s1)] == p1 + s1
+        assert row["response_ids"] == s1 + p2[len(p1) + len(s1):] + s2
 
 
 @pytest.mark.skipif(not ON_CPU, reason="on CUDA colocate is vLLM's sleep mode")
