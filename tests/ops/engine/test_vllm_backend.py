@@ -218,7 +218,7 @@ def test_an_agents_requests_are_served_by_vllm_token_exact(engine, prompts):
 
     rows = expand_samples(prompts.slice(0, 3), 2)
     played = play_agents(engine, rows, SamplingParams(8, seed=2),
-                         AgentParams("agents:two_turns"), GenerationStats())
+                         AgentParams("openai_agents:two_turns"), GenerationStats())
     table, stats = agent_rows(rows, played, engine, worker="w", start=time.time())
     assert stats.env_errors == 0 and len(table) == len(rows)
     for row, (_, calls) in zip(table.to_pylist(), played):

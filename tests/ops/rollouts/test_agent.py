@@ -1,5 +1,5 @@
 """Agent episodes against the OpenAI-compatible endpoint, with the real ``openai`` client in
-the agent process (``tests/agents.py``) and our engine on the tiny model: trajectories are
+the agent process (``tests/openai_agents.py``) and our engine on the tiny model: trajectories are
 the recorded token ids in order, agent-side tokens take no part in the loss, a request
 without its episode's key is refused, and a failing agent ends only its own episode."""
 
@@ -45,7 +45,7 @@ def _play(engine, prompts, agent: str, n: int = 2, **kw):
 
 
 def test_a_two_turn_agents_trajectory_is_its_recorded_ids_in_order(engine, make_prompts):
-    rows, played = _play(engine, make_prompts(TEXTS), "agents:two_turns")
+    rows, played = _play(engine, make_prompts(TEXTS), "openai_agents:two_turns")
     for outcome, calls in played:
         assert "error" not in outcome and len(calls) == 2
         (p1, (s1, l1, _)), (p2, (s2, l2, _)) = [(c.prompt_ids, c.samples[0]) for c in calls]
@@ -74,7 +74,7 @@ def test_a_two_turn_agents_trajectory_is_its_recorded_ids_in_order(engine, make_
 
 def test_requests_that_extend_nothing_are_samples_of_their_own(engine, make_prompts):
     table, _ = run_agent_episodes(engine, make_prompts(TEXTS[:2]), 1, SAMPLING,
-                                  AgentParams("agents:branches"))
+                                  AgentParams("openai_agents:branches"))
     # per episode: two samples of the first request, and the completions request
     assert len(table) == 3 * 2
     for pid in table.column("prompt_id").unique().to_pylist():
@@ -88,7 +88,7 @@ def test_agent_tokens_take_no_part_in_the_loss(model, engine, make_prompts):
     """Changing the agent-side tokens' behaviour logprobs changes neither the loss nor the
     gradient; changing a sampled token's does."""
     table, _ = run_agent_episodes(engine, make_prompts(TEXTS), 2, SAMPLING,
-                                  AgentParams("agents:two_turns"))
+                                  AgentParams("openai_agents:two_turns"))
     masks = table.column("loss_mask").to_pylist()
     n = len(table)
     trainable = table.append_column("reward", pa.array([0.0] * n, pa.float64())) \
@@ -133,11 +133,11 @@ def test_a_request_without_the_episodes_key_is_refused(engine):
 
 
 @pytest.mark.parametrize(("agent", "said"), [
-    ("agents:raises", "RuntimeError: the agent broke"),
-    ("agents:hangs", "TimeoutError: the episode ran over 2 s"),
-    ("agents:never_calls", "the agent never called the model"),
-    ("agents:not_a_number", "not a finite number"),
-    ("agents:nosuch", "cannot be loaded"),
+    ("openai_agents:raises", "RuntimeError: the agent broke"),
+    ("openai_agents:hangs", "TimeoutError: the episode ran over 2 s"),
+    ("openai_agents:never_calls", "the agent never called the model"),
+    ("openai_agents:not_a_number", "not a finite number"),
+    ("openai_agents:nosuch", "cannot be loaded"),
 ])
 def test_a_failing_agent_ends_its_episode_as_an_error(engine, make_prompts, agent, said):
     started = time.monotonic()

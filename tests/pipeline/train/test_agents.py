@@ -13,7 +13,7 @@ from rlhfless.pipeline.train.loop import train
 
 def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="agent",
-                 agent="agents:two_turns", iterations=2, batch_prompts=4, n_samples=2,
+                 agent="openai_agents:two_turns", iterations=2, batch_prompts=4, n_samples=2,
                  max_new_tokens=8, heldout_prompts=4, eval_every=2, checkpoint_every=100,
                  gen_workers=2, train_threads=1, agent_timeout_s=30)
     run = train(cfg, progress=False, log=lambda *_: None)
@@ -30,7 +30,7 @@ def test_agent_config_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="agent = 'nope'"):
         Config(agent="nope")
     with pytest.raises(ConfigError, match="plays its own episodes"):
-        Config(agent="agents:two_turns", environment="python")
+        Config(agent="openai_agents:two_turns", environment="python")
     with pytest.raises(ConfigError, match="agent_timeout_s"):
-        Config(agent="agents:two_turns", agent_timeout_s=0)
+        Config(agent="openai_agents:two_turns", agent_timeout_s=0)
     assert Config(task="tally-tool", agent="tally-agent").episode_environment == ""

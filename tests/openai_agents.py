@@ -1,4 +1,4 @@
-"""Agents for the agent-episode tests, named ``"agents:<function>"`` (the agent process
+"""Agents for the agent-episode tests, named ``"openai_agents:<function>"`` (the agent process
 imports them by name: it inherits the test's ``sys.path``). Each is written against the
 ``openai`` client as an agent author would; none builds a request by hand."""
 
