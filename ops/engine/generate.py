@@ -151,7 +151,11 @@ class Decoding:
 
 def check_context(model, longest: int) -> None:
     """A ``ValueError`` when ``longest`` tokens exceed the model's context."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    check_limit(longest, getattr(model.config, "max_position_embeddings", None))
+
+
+def check_limit(longest: int, limit: int | None) -> None:
+    """A ``ValueError`` when ``longest`` tokens exceed a context of ``limit`` (None: none)."""
     if limit is not None and longest > limit:
         raise ValueError(
             f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {limit}"

@@ -42,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 
 from .gen_stats import GenerationStats
-from .generate import SamplingParams, rollouts_table
+from .generate import SamplingParams, check_limit, rollouts_table
 from .publish import WeightsRef
 
 
@@ -173,10 +173,7 @@ class GenerationBackend(ABC):
 
     def check_context(self, longest: int) -> None:
         """A ``ValueError`` when ``longest`` tokens exceed the model's context."""
-        limit = self.max_context
-        if limit is not None and longest > limit:
-            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the "
-                             f"model's context of {limit}")
+        check_limit(longest, self.max_context)
 
     def export_paused(self, paused: Any, positions: list[int] | None = None) -> Any:
         """The paused rows at ``positions`` (all: None) with their KV cache, for ``adopt``
