@@ -15,7 +15,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .gen_stats import GenerationStats
@@ -31,7 +31,6 @@ class Outcome:
 
     results: list[tuple[list[int], list[float], str]]
     finished: list[bool]
-    cached_tokens: list[int] = field(default_factory=list)
 
 
 def tokens_so_far(completion: Any) -> tuple[list[int], list[float], str]:
@@ -87,4 +86,4 @@ def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
               for p, out in zip(prompts, latest)]
     stats.decode_tokens += sum(len(r[0]) for r in results)
     stats.prefill_tokens += sum(len(p) for p in prompts) - sum(cached)
-    return Outcome(results, finished, cached)
+    return Outcome(results, finished)
