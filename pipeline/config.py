@@ -37,6 +37,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
     "nonfinite_policy": ("stop", "skip"),
+    "on_collapse": ("warn", "rollback", "stop"),
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
@@ -70,6 +71,13 @@ class Config:
     keep_checkpoints: int = 2  # whole checkpoints kept on disk, newest first
     max_recoveries: int = 3  # trainer losses a run recovers from before it gives up
     nonfinite_policy: str = "stop"  # a NaN/inf loss: "stop" the run or "skip" that batch
+    # the collapse guard (pipeline/train/guard.py): held-out accuracy, or the training reward
+    # while the responses lengthen, falling collapse_drop below its peak
+    on_collapse: str = "warn"  # "warn" (say, record), "rollback" (last good checkpoint), "stop"
+    collapse_drop: float = 0.1  # a fall this far below the peak is a collapse
+    collapse_length_growth: float = 1.5  # reward falls count at this x the peak's response length
+    rollback_lr_factor: float = 0.5  # on_collapse = "rollback": lr x this after each rollback
+    max_rollbacks: int = 3  # rollbacks before the run stops with the collapse
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
     dataset: str = ""  # RL prompts: .jsonl/.json/.parquet, "reasoning-gym:<task>"; "": tiny
@@ -219,6 +227,12 @@ class Config:
             raise ConfigError(str(err)) from None
         if set(self.prices) != {"gen", "train"}:
             raise ConfigError(f"prices = {self.prices} must price exactly the pools gen, train")
+        if not 0 < self.collapse_drop <= 1 or not self.collapse_length_growth >= 1:
+            raise ConfigError(f"collapse_drop = {self.collapse_drop} must be in (0, 1] and "
+                              f"collapse_length_growth = {self.collapse_length_growth} >= 1")
+        if not 0 < self.rollback_lr_factor < 1:
+            raise ConfigError(f"rollback_lr_factor = {self.rollback_lr_factor} must be in "
+                              "(0, 1): a rollback goes on with a lower learning rate")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
@@ -248,7 +262,7 @@ class Config:
                               f"walltime = {self.walltime!r}: workers leave before the batch "
                               "system ends their jobs")
         for key, least in (("checkpoint_every", 1), ("keep_checkpoints", 1),
-                           ("max_recoveries", 0)):
+                           ("max_recoveries", 0), ("max_rollbacks", 0)):
             if getattr(self, key) < least:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= {least}")
         if not 0 <= self.run_umask <= 0o077:

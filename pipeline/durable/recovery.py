@@ -100,6 +100,7 @@ def resume_config(run_path: str | Path, overrides: list[str] = ()) -> Config:
 # what a resumed run may change: how long it goes on, how often it evaluates and checkpoints,
 # how it recovers, and where its batch jobs run; every other key shapes what it learns
 RESUMABLE = ("iterations", "max_wall_s", "eval_every", "checkpoint_every", "keep_checkpoints",
+             "on_collapse", "collapse_drop", "collapse_length_growth", "max_rollbacks",
              "max_recoveries", "nonfinite_policy", "job_start_timeout_s", "walltime",
              "worker_lifetime", "queue", "account", "job_prologue",
              "train_workers")  # checkpoints reshard N -> M ranks
