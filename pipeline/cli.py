@@ -32,6 +32,7 @@ USER_ERROR_CLASSES = {  # module -> class: prefix of its one-line message
     "rlhfless.pipeline.durable.runs": {"RunDirError": ""},
     "rlhfless.ops.data.records": {"BadRow": ""},
     "rlhfless.pipeline.train.loop": {"Diverged": ""},  # a learning rate that diverges
+    "rlhfless.pipeline.train.guard": {"Collapsed": ""},  # a run whose quality fell
     "rlhfless.ops.algo.update": {"EpisodesFailed": ""},  # an environment that always fails
 }
 

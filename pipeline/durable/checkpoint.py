@@ -280,11 +280,15 @@ def checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=iteration_of)
 
 
-def latest(root: str | Path, content: bool = True) -> tuple[Path | None, list[str]]:
+def latest(root: str | Path, content: bool = True,
+           at_most: int | None = None) -> tuple[Path | None, list[str]]:
     """The newest whole checkpoint under ``root`` (None if there is none), and one line for
-    every newer one passed over, saying why. ``content=False``: sizes only (``problem``)."""
+    every newer one passed over, saying why. ``content=False``: sizes only (``problem``).
+    ``at_most``: of the checkpoints of that iteration or earlier."""
     skipped = []
     for path in reversed(checkpoints(root)):
+        if at_most is not None and iteration_of(path) > at_most:
+            continue
         why = problem(path, content)
         if why is None:
             return path, skipped
@@ -298,9 +302,11 @@ def is_finite(path: str | Path) -> bool:
     return bool(zarr.open_group(path, mode="r").attrs.get("finite", True))
 
 
-def prune(root: str | Path, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` whole checkpoints and the newest whole finite one; remove
-    older ones, partial ones and leftover temporary directories. Returns what was removed."""
+def prune(root: str | Path, keep: int, anchors: tuple[int, ...] = ()) -> list[Path]:
+    """Keep the newest ``keep`` whole checkpoints, the newest whole finite one, and for each
+    of ``anchors`` the newest whole one of that iteration or earlier (the collapse guard's
+    good states); remove older ones, partial ones and leftover temporary directories.
+    Returns what was removed."""
     if keep < 1:
         raise ValueError(f"prune: keep must be >= 1, got {keep}")
     root = Path(root)
@@ -308,6 +314,8 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     kept = whole[:keep]
     if not any(is_finite(p) for p in kept):  # a diverged run: keep its last finite state
         kept += [p for p in whole[keep:] if is_finite(p)][:1]
+    for anchor in anchors:
+        kept += [p for p in whole if iteration_of(p) <= anchor][:1]
     doomed = [p for p in whole if p not in kept] + [p for p in checkpoints(root)
                                                     if p not in whole]
     doomed += [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-"))]

@@ -233,6 +233,7 @@ class Durable:
         self.restored_tables: dict[str, pa.Table] = {}  # the last restored checkpoint's
         self.collect_tables: Callable[[], dict[str, pa.Table]] = dict  # see ``track``
         self.members: list[str] = []  # addresses of the ranks, when spec.world > 1
+        self.anchors: tuple[int, ...] = ()  # iterations a checkpoint at or before is kept for
 
     def track(self, state_dict: Callable[[], dict[str, pa.Table]]) -> None:
         """Save ``state_dict()``'s tables (a component's own checkpoint state: the mode
@@ -305,7 +306,7 @@ class Durable:
             ledger_totals=totals, model_path=self.model_path, data_digest=self.digest,
             finite=all(p["finite"] for p in parts), tables=self.collect_tables()))
         path = ckpt.commit(tmp)
-        ckpt.prune(self.root, self.cfg.keep_checkpoints)
+        ckpt.prune(self.root, self.cfg.keep_checkpoints, self.anchors)
         self.run.append_metrics({"event": "checkpoint", "iteration": iteration,
                                  "policy_version": weights.version, "path": str(path),
                                  "bytes": trainer["bytes"], "trainer_write_s": trainer["seconds"],
@@ -394,6 +395,23 @@ class Durable:
                                  "error": error, "skipped": skipped,
                                  "recoveries": self.recoveries})
         return iteration, weights
+
+    def rollback(self, at_most: int, sampler: PromptSampler,
+                 state: ScalingPolicy) -> tuple[int, WeightsRef]:
+        """Go back to the newest whole checkpoint of iteration ``at_most`` or earlier (the
+        collapse guard's good state) and remove the newer ones, so that neither a recovery
+        nor a resume returns to the fallen state. Returns (iteration restored, weights)."""
+        path, skipped = ckpt.latest(self.root, at_most=at_most)
+        if path is None:
+            raise RuntimeError(f"no whole checkpoint of iteration {at_most} or earlier under "
+                               f"{self.root} ({'; '.join(skipped) or 'none kept'})")
+        self._say_skipped(skipped, path)
+        for newer in ckpt.checkpoints(self.root):
+            if ckpt.iteration_of(newer) > ckpt.iteration_of(path):
+                newer.rename(newer.with_name(f".old-{newer.name}"))  # whole or gone, then
+        ckpt.prune(self.root, self.cfg.keep_checkpoints, self.anchors)  # removed
+        self._wait_forgotten(ckpt.iteration_of(path) + 1)
+        return self.restore(path, sampler, state, drop_eval_at=False)
 
     def _say_skipped(self, skipped: list[str], used: Path) -> None:
         """One line for every newer checkpoint passed over, and why."""

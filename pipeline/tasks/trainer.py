@@ -129,6 +129,8 @@ def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSp
     check_staleness(batch, loaded.version, spec.max_staleness, "trainer")
     started = time.perf_counter()
     device = next(loaded.model.parameters()).device
+    for group in state.optimizer.param_groups:  # the spec's: a rollback lowers it (guard.py)
+        group["lr"] = spec.update.lr
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
         metrics = update_policy(state.model, state.optimizer, batch, spec.update,
                                 loaded.tokenizer.pad_token_id, ref_model=state.ref,

@@ -6,6 +6,7 @@
         run it on the pools: sync, every sample by the trainer's version; async, batches
                  generated ahead within a staleness bound; replay, groups reused
         log metrics, the rollouts, and every ``eval_every`` the held-out accuracy
+        the collapse guard reads them: a fall is said, or rolled back (guard.py)
         commit a checkpoint every ``checkpoint_every``; lost the trainer? back to the last one
 
 An update whose loss or gradient is not finite is never applied (``ops/algo/update.py``); with
@@ -43,6 +44,7 @@ from ..report.bookkeeping import account, evaluate, say_reward_errors, write_led
 from ..report.observe import observed
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
+from .guard import CollapseGuard, collapse_record, respond
 from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
 from .sampler import PromptSampler
@@ -125,6 +127,9 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
         runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
         durable.track(runner.state_dict)
+        guard = CollapseGuard.from_records(cfg, run.metrics())
+        if guard.rollbacks:  # a resumed run goes on at the rate its last rollback set
+            runner.set_lr(cfg.lr * cfg.rollback_lr_factor ** guard.rollbacks)
         said_reward_errors = False
         while done < cfg.iterations:
             say_stalls(run, pc, log)
@@ -135,16 +140,32 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             except Exception as err:  # re-raised unless the trainer was lost
                 done, weights = durable.recover(err, sampler, scaling)
                 continue
-            record |= account(pc, ledger, iteration, t0)
+            record = {"event": "iteration", **record, **account(pc, ledger, iteration, t0)}
             run.write_rollouts(iteration, table)
-            run.append_metrics({"event": "iteration", **record})
+            run.append_metrics(record)
             run.drop_replaced()  # the new run has started: the one it replaced goes
             check_finite(record, cfg, run, log)
             said_reward_errors = said_reward_errors or say_reward_errors(log, iteration, table,
                                                                          cfg.reward_fallback)
+            fall = guard.see(record)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                 accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
-                run.append_metrics({"event": "eval", "iteration": iteration, **accuracy})
+                evaluated = {"event": "eval", "iteration": iteration, **accuracy}
+                run.append_metrics(evaluated)
+                fall = guard.see(evaluated) or fall
+            if fall is not None and respond(fall, cfg, guard, run, log):
+                runner.close()  # the batches generated ahead of the fallen policy
+                done, weights = durable.rollback(fall.back_to, sampler, scaling)
+                guard.forget_after(done)
+                guard.rollbacks += 1
+                lr = cfg.lr * cfg.rollback_lr_factor ** guard.rollbacks
+                runner.set_lr(lr)
+                run.append_metrics(collapse_record(fall, "rollback", iteration=done, lr=lr,
+                                                   detected_at=fall.iteration))
+                log(f"rolled back to iteration {done}; lr now {lr:.3g} "
+                    f"(rollback {guard.rollbacks} of at most {cfg.max_rollbacks})")
+                continue
+            durable.anchors = guard.anchors()
             done, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",

@@ -204,6 +204,12 @@ class ModeRunner:
             self.close()
             raise
 
+    def set_lr(self, lr: float) -> None:
+        """Update with learning rate ``lr`` from the next step on (a rollback lowers it)."""
+        train = self.specs.train
+        train = dataclasses.replace(train, update=dataclasses.replace(train.update, lr=lr))
+        self.specs = dataclasses.replace(self.specs, train=train)
+
     def close(self) -> None:
         """Let go of every batch in flight (the scheduler forgets what no one wants); the
         next ``step`` starts over from the state."""

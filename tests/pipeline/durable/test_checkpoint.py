@@ -268,6 +268,19 @@ def test_prune_keeps_the_newest_whole_ones(tmp_path):
         ckpt.prune(tmp_path, keep=0)
 
 
+def test_prune_keeps_one_at_or_before_each_anchor_and_latest_looks_back(tmp_path):
+    """The collapse guard's good states (``anchors``) outlive ``keep_checkpoints``."""
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    for it in range(0, 25, 5):
+        save(tmp_path, it, model, opt)
+    ckpt.prune(tmp_path, keep=2, anchors=(7, 20))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-00005", "iter-00015",
+                                                          "iter-00020"]
+    assert ckpt.latest(tmp_path, at_most=14)[0].name == "iter-00005"
+    assert ckpt.latest(tmp_path, at_most=4)[0] is None
+
+
 def test_loading_never_unpickles(tmp_path, monkeypatch):
     model = Tied()
     opt = torch.optim.AdamW(model.parameters())
