@@ -4,15 +4,18 @@ Each run trains the embedded tiny model with every key at its default except ``m
 ``seed`` and ``iterations`` (and ``--set`` overrides, for ablations), evaluating the held-out
 prompts every ``--eval-every`` iterations. Per run it prints the held-out curve, its peak, its
 end, the largest drop from a peak (``max_drop``), the response length's growth (mean length
-of the last iteration over the first) and whether the run collapsed: it ends more than
-``--collapse-drop`` (0.1) below its peak. Per mode: the collapse rate, the final held-out
+of the last iteration over the first), whether the run collapsed: it ends more than
+``--collapse-drop`` (0.1) below its peak, and what the online collapse guard said
+(``guard``: its ``collapse`` records; with ``on_collapse = "warn"``, the default, it only
+says, so the verdicts can be compared). Per mode: the collapse rate, the final held-out
 accuracy's mean and standard deviation over seeds, and samples/s (samples trained per second
 from the first iteration's start to the last one's end, mean and standard deviation; the
 held-out evaluations in between are included, so compare modes at the same ``--eval-every``,
 and use ``bench/modes.py`` for throughput alone).
 
 Runs go seed-major (every mode of seed 0, then of seed 1, ...), so a drift in the machine's
-load weighs on every mode alike. Prints one JSON line.
+load weighs on every mode alike. Prints one JSON line; each run's line goes to stderr as it
+ends.
 
     python bench/stability.py [--seeds 0,1,2,3,4] [--modes sync,async,replay,async+replay]
                               [--iterations 80] [--eval-every 5] [--set key=value ...]
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from dataclasses import replace
 from statistics import mean, pstdev
@@ -48,12 +52,14 @@ def one_run(cfg, collapse_drop: float) -> dict:
     curve = [(r["iteration"], r["heldout_accuracy"]) for r in records
              if "heldout_accuracy" in r]
     lengths = [r["response_len_mean"] for r in iters if "response_len_mean" in r]
+    guard = [{k: r[k] for k in ("iteration", "signal", "best", "now", "action")}
+             for r in records if r.get("event") == "collapse"]
     samples = sum(r.get("samples", 0) for r in iters)
     seconds = iters[-1]["time"] - iters[0]["time"] + iters[0].get("iteration_s", 0.0)
     return {"mode": cfg.mode, "seed": cfg.seed, "curve": curve,
             **curve_facts(curve, collapse_drop),
             "length_growth": lengths[-1] / lengths[0] if lengths and lengths[0] else None,
-            "samples_per_s": samples / seconds if seconds > 0 else None}
+            "samples_per_s": samples / seconds if seconds > 0 else None, "guard": guard}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -63,6 +69,7 @@ def summarise(runs: list[dict]) -> dict:
         ends = [r["end"] for r in mine]
         rates = [r["samples_per_s"] for r in mine if r["samples_per_s"]]
         out[mode] = {"runs": len(mine), "collapse_rate": mean(r["collapsed"] for r in mine),
+                     "guard_flagged_rate": mean(bool(r["guard"]) for r in mine),
                      "end_mean": mean(ends), "end_std": pstdev(ends),
                      "peak_mean": mean(r["peak"] for r in mine),
                      "samples_per_s_mean": mean(rates) if rates else None,
@@ -88,6 +95,7 @@ def main() -> None:
             for mode in args.modes.split(","):
                 cfg = replace(base, name=f"{mode}-{seed}", mode=mode, seed=seed)
                 runs.append(one_run(cfg, args.collapse_drop))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # kept if stopped
     print(json.dumps({"iterations": args.iterations, "overrides": args.overrides,
                       "load_avg": os.getloadavg(), "modes": summarise(runs), "runs": runs}))
 
