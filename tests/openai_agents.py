@@ -55,3 +55,10 @@ def never_calls(client, row, model):
 def not_a_number(client, row, model):
     client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
     return "yes"
+
+
+def thinks_then_asks(client, row, model):
+    """Half a second of the agent's own work before its one request (a tool, a planner)."""
+    time.sleep(0.5)
+    client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
+    return 1.0

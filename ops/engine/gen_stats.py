@@ -27,7 +27,7 @@ class EpisodeStats:
     env_calls: int = 0  # construction, reset, steps and close
     env_errors: int = 0  # episodes ended by an environment failure
     env_seconds: float = 0.0  # summed over episodes, inside environment calls
-    env_wait_seconds: float = 0.0  # the loop waited for environments, decoding nothing
+    env_wait_seconds: float = 0.0  # the engine decoded nothing, waiting on environments/agents
     observation_tokens: int = 0
 
     def merge(self, other: EpisodeStats) -> EpisodeStats:

@@ -21,7 +21,10 @@ recorded them, never from text:
   shard.
 
 Each row's ``env_seconds`` is the episode's time outside the model (its wall time less the
-seconds its requests took), beside the model seconds in ``GenerationStats``.
+seconds its requests took), beside the model seconds in ``GenerationStats``. The shard's
+``env_wait_seconds`` is the time its engine sampled nothing while its agents ran (the
+shard's wall time less the endpoint's busy seconds): the worker-seconds the agents cost
+beyond the model's, which the iteration record bills apart (``env_wait_worker_s``).
 """
 
 from __future__ import annotations
@@ -141,15 +144,18 @@ def run_agent_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: 
     one row per trajectory, so an episode of several gives several rows of its prompt."""
     stats = stats if stats is not None else GenerationStats()
     rows, start = expand_samples(prompts, n_samples), time.time()
+    busy, wall = endpoint().busy_s, time.perf_counter()
     played = play_agents(engine, rows, sampling, params, stats)
-    return agent_rows(rows, played, engine, worker=worker, start=start)
+    idle = time.perf_counter() - wall - (endpoint().busy_s - busy)
+    return agent_rows(rows, played, engine, worker=worker, start=start, idle_s=max(idle, 0.0))
 
 
 def agent_rows(rows: pa.Table, played: list[tuple[dict, list[Call]]],
-               engine: GenerationBackend, *, worker: str,
-               start: float) -> tuple[pa.Table, EpisodeStats]:
-    """The table of ``run_agent_episodes`` from ``play_agents``' episodes of ``rows``."""
-    out_rows, results, extra, est = [], [], [], EpisodeStats()
+               engine: GenerationBackend, *, worker: str, start: float,
+               idle_s: float = 0.0) -> tuple[pa.Table, EpisodeStats]:
+    """The table of ``run_agent_episodes`` from ``play_agents``' episodes of ``rows``;
+    ``idle_s``: the seconds the engine sampled nothing while they ran."""
+    out_rows, results, extra, est = [], [], [], EpisodeStats(env_wait_seconds=idle_s)
     per_prompt: dict[str, int] = {}
     for row, (outcome, calls) in zip(rows.to_pylist(), played):
         error = outcome.get("error")

@@ -84,6 +84,7 @@ class AgentEndpoint:
         self.chat_template: str | None = None
         self.threads = 1
         self.stats = GenerationStats()
+        self.busy_s = 0.0  # seconds the engine spent sampling for requests, ever
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -212,6 +213,7 @@ class AgentEndpoint:
         turns = [t for job in jobs for t in job.turns]
         params = replace(jobs[0].params,
                          max_new_tokens=max(t.budget for t in turns))
+        started = time.perf_counter()
         try:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -219,6 +221,7 @@ class AgentEndpoint:
             outcome: Any = None
         except BaseException as err:  # the request fails, the server goes on
             outcome = err
+        self.busy_s += time.perf_counter() - started
         for job in jobs:
             if outcome is None:
                 value = [t.result for t in job.turns]

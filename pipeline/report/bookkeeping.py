@@ -69,6 +69,18 @@ def account(pc: PoolCluster, ledger: CostLedger, iteration: int, t0: float) -> d
     return worker_seconds(ledger, t0, time.time())
 
 
+def bill_env_wait(record: dict, prices: dict[str, float]) -> dict:
+    """The generation worker-seconds of an iteration in which engines decoded nothing,
+    waiting on environments or agents (``env_wait_seconds``, summed over shards: each shard
+    holds one worker), billed apart: their cost and their share of ``gen_worker_s``."""
+    waited = record.get("env_wait_seconds")
+    if not waited:
+        return {}
+    billed = record.get("gen_worker_s") or 0.0
+    return {"env_wait_worker_s": waited, "env_wait_cost": waited * prices["gen"],
+            "env_wait_share": waited / billed if billed > 0 else None}
+
+
 def write_ledger(run: RunDir, ledger: CostLedger, before_resume: dict) -> None:
     run.write_json("ledger.json", {"prices": ledger.prices, "totals": ledger.totals(),
                                    "by_iteration": ledger.by_iteration(),

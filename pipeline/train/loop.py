@@ -40,7 +40,13 @@ from ..config import Config
 from ..durable import checkpoint as ckpt
 from ..durable.recovery import Durable, open_run
 from ..durable.runs import RunDir, umask
-from ..report.bookkeeping import account, evaluate, say_reward_errors, write_ledger
+from ..report.bookkeeping import (
+    account,
+    bill_env_wait,
+    evaluate,
+    say_reward_errors,
+    write_ledger,
+)
 from ..report.observe import observed
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
@@ -141,6 +147,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 done, weights = durable.recover(err, sampler, scaling)
                 continue
             record = {"event": "iteration", **record, **account(pc, ledger, iteration, t0)}
+            record |= bill_env_wait(record, ledger.prices)
             run.write_rollouts(iteration, table)
             run.append_metrics(record)
             run.drop_replaced()  # the new run has started: the one it replaced goes

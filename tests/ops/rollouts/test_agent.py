@@ -148,3 +148,24 @@ def test_a_failing_agent_ends_its_episode_as_an_error(engine, make_prompts, agen
     assert set(table.column("finish_reason").to_pylist()) == {"error"}
     assert all(said in e for e in table.column("env_error").to_pylist())
     assert table.column("env_reward").to_pylist() == [0.0] * len(table)
+
+
+def test_the_time_the_engine_waits_on_agents_is_measured_and_billed_apart(engine,
+                                                                        make_prompts):
+    """Three episodes at once, each thinking 0.5 s before its request: the engine sampled
+    nothing for at least those 0.5 s (its other idle time, the agent process's start, adds to
+    it), and never for longer than the shard took."""
+    from rlhfless.pipeline.report.bookkeeping import bill_env_wait
+
+    started = time.perf_counter()
+    _, stats = run_agent_episodes(engine, make_prompts(TEXTS), 1, SAMPLING,
+                                  AgentParams("openai_agents:thinks_then_asks"))
+    wall = time.perf_counter() - started
+    assert stats.env_errors == 0 and stats.env_seconds >= 3 * 0.5
+    assert 0.5 <= stats.env_wait_seconds <= wall
+    bill = bill_env_wait({"env_wait_seconds": stats.env_wait_seconds, "gen_worker_s": 2 * wall},
+                         {"gen": 3.0, "train": 1.0})
+    assert bill == {"env_wait_worker_s": stats.env_wait_seconds,
+                    "env_wait_cost": 3.0 * stats.env_wait_seconds,
+                    "env_wait_share": stats.env_wait_seconds / (2 * wall)}
+    assert bill_env_wait({"gen_worker_s": 1.0}, {"gen": 3.0}) == {}  # single-turn: nothing

@@ -20,6 +20,9 @@ def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
     iterations = [m for m in run.metrics() if m.get("event") == "iteration"]
     assert [m["iteration"] for m in iterations] == [1, 2]
     assert all(m["episodes"] == 8 and m["env_errors"] == 0 for m in iterations)
+    # the engines' wait on the agents (their process start at least) is billed apart
+    assert all(0 < m["env_wait_worker_s"] <= m["gen_worker_s"]
+               and m["env_wait_cost"] > 0 for m in iterations)
     rows = pq.read_table(run.path / "rollouts" / "iter-00001.parquet").to_pylist()
     assert len(rows) == 8 and {r["turns"] for r in rows} == {2}
     assert all(0 in r["loss_mask"] and r["loss_mask"][0] == 1 for r in rows)
