@@ -215,7 +215,8 @@ def choose_generation_workers(
     k = np.arange(offsets[-1]) - np.repeat(offsets[:-1], ns)  # [R] worker index in candidate
     busy = (sum_len > 0) | (ptoks > 0) | (max_len > 0)
     cold = np.where((k >= keep_warm) & busy, model.cold_start_s, 0.0)
-    t_row = np.where(busy, model.worker_seconds(max_len, n_samples * sum_len, ptoks), 0.0) + cold
+    t_row = np.where(busy, model.worker_seconds(max_len, n_samples * sum_len, ptoks)
+                     + model.env_wait_s, 0.0) + cold  # every busy worker waits on its agents
     time_s = np.maximum.reduceat(t_row, offsets[:-1])
     cost_ws = np.add.reduceat(t_row, offsets[:-1])
     step_t, step_c = time_s + fixed_seconds, cost_ws + fixed_cost_ws

@@ -66,6 +66,7 @@ class ShardTimings(Protocol):
     decode_seconds: float
     prefill_tokens: int
     prefill_seconds: float
+    episodes: Any  # multi-turn or agent shards: ``env_wait_seconds`` decoding nothing; else None
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,8 @@ class ScalingPolicy:
                                         stats.decode_seconds / steps, n_steps=steps)
                 if stats.prefill_tokens and stats.prefill_seconds:
                     self.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
+                if stats.episodes is not None:  # multi-turn or agent episodes
+                    self.throughput.observe_env_wait(stats.episodes.env_wait_seconds)
             self.observe_cold_starts(timings.cold_starts)
         return self.observe_lengths(prompt_ids, lengths)
 

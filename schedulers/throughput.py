@@ -6,7 +6,11 @@ sequences?". The model answers with three measured quantities:
 - decode step time ``t_step(b) = a + c*b`` seconds for a live batch of ``b`` sequences,
   fitted by (weighted) least squares over a bounded window of observations;
 - prefill rate in prompt tokens per second (total tokens / total seconds over a window);
-- cold start seconds (process start + model load), an EWMA of measured cold starts.
+- cold start seconds (process start + model load), an EWMA of measured cold starts;
+- a shard's seconds of waiting on environments or agents with nothing to decode
+  (``env_wait_s``), an EWMA of the shards that reported it (0 before any did). The agents of
+  a shard run at once, so the wait is charged once per busy worker, not per sequence: adding
+  workers does not shorten it, and each one pays it.
 
 Under continuous batching a finished sequence leaves the batch, so at decode step ``s`` the
 live batch is the number of sequences with length >= s. Summed over steps::
@@ -91,6 +95,8 @@ class ThroughputModel:
         self._prefill = np.zeros((0, 2))  # rows: tokens, seconds
         self._cold: float | None = None
         self._n_cold = 0
+        self._wait: float | None = None
+        self._n_wait = 0
         self._refit()
 
     # ---- fitted parameters -----------------------------------------------------------------
@@ -116,6 +122,11 @@ class ThroughputModel:
     def cold_start_s(self) -> float:
         """EWMA of measured cold starts (seconds), or the prior before any was measured."""
         return self.prior_cold_start_s if self._cold is None else self._cold
+
+    @property
+    def env_wait_s(self) -> float:
+        """EWMA of a shard's measured wait on environments or agents (seconds), or 0."""
+        return 0.0 if self._wait is None else self._wait
 
     def _refit(self) -> None:
         b, y, w = self._decode.T if self._decode.size else (np.zeros(0),) * 3
@@ -167,6 +178,14 @@ class ThroughputModel:
         self._cold = a * s + (1.0 - a) * (self._cold or 0.0)
         self._n_cold += 1
 
+    def observe_env_wait(self, seconds: float) -> None:
+        """Add one shard's seconds of waiting on its environments or agents, decoding
+        nothing (``EpisodeStats.env_wait_seconds``)."""
+        s = float(_obs("observe_env_wait(seconds)", seconds, 1)[0])
+        a = 1.0 if self._wait is None else self.cold_start_alpha
+        self._wait = a * s + (1.0 - a) * (self._wait or 0.0)
+        self._n_wait += 1
+
     # ---- predictions -----------------------------------------------------------------------
 
     def t_step(self, batch_size: ArrayLike) -> np.ndarray:
@@ -212,6 +231,8 @@ class ThroughputModel:
             "n_decode_obs": int(self._decode.shape[0]),
             "n_prefill_obs": int(self._prefill.shape[0]),
             "n_cold_start_obs": self._n_cold,
+            "env_wait_s": self.env_wait_s,
+            "n_env_wait_obs": self._n_wait,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,6 +243,8 @@ class ThroughputModel:
             "prefill": self._prefill.tolist(),
             "cold_start_s": self._cold,
             "n_cold_start_obs": self._n_cold,
+            "env_wait_s": self._wait,
+            "n_env_wait_obs": self._n_wait,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -241,4 +264,7 @@ class ThroughputModel:
         self._prefill = prefill[-self.window :]
         self._cold = None if cold is None else float(cold)
         self._n_cold = int(state.get("n_cold_start_obs", 0 if cold is None else 1))
+        wait = state.get("env_wait_s")  # absent in checkpoints of older runs: none seen
+        self._wait = None if wait is None else float(wait)
+        self._n_wait = int(state.get("n_env_wait_obs", 0 if wait is None else 1))
         self._refit()

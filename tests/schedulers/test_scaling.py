@@ -41,6 +41,22 @@ def test_hand_checked_two_groups():
     assert mid.n_workers == 1
 
 
+def test_every_busy_worker_pays_the_wait_on_its_agents():
+    pred = np.array([100.0, 100.0])
+    model = small_model()
+    plain = choose_generation_workers(pred, 2, model, max_workers=2, lambda_cost=0.9,
+                                      keep_warm=2)
+    # N=1: 0.01*100 + 0.001*400 = 1.4 s; N=2: 1.2 s each, 2.4 worker-s
+    np.testing.assert_allclose(plain.time_s, [1.4, 1.2])
+    assert plain.n_workers == 2
+    model.observe_env_wait(2.0)  # a shard's agents keep its engine idle 2 s
+    waiting = choose_generation_workers(pred, 2, model, max_workers=2, lambda_cost=0.9,
+                                        keep_warm=2)
+    np.testing.assert_allclose(waiting.time_s, [3.4, 3.2])
+    np.testing.assert_allclose(waiting.cost_ws, [3.4, 6.4])
+    assert waiting.n_workers == 1  # a second worker halves the decoding, not the wait
+
+
 def test_warm_workers_pay_no_cold_start_and_take_the_longest_groups():
     pred = np.array([300.0, 100.0])
     d = choose_generation_workers(pred, 1, small_model(), max_workers=2, min_workers=2,

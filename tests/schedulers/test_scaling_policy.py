@@ -131,11 +131,17 @@ class Shard:  # a generation shard's counters, as GenerationStats carries them
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    episodes: Waited | None = None
+
+
+@dataclasses.dataclass
+class Waited:  # a multi-turn or agent shard's episode counters, as EpisodeStats has them
+    env_wait_seconds: float
 
 
 def test_one_call_per_iteration_feeds_every_model():
     ids, lengths = ["p1", "p1", "p2"], [10, 14, 30]
-    shards = [Shard(160, 10, 0.4, 300, 0.03), Shard()]  # the second never decoded
+    shards = [Shard(160, 10, 0.4, 300, 0.03, Waited(1.5)), Shard()]  # the second: no decode
     timings = IterationTimings(2.5, shards, [4.0, 6.0])
     once = ScalingPolicy(ScalingKnobs(), _model())
     error = once.observe_iteration(ids, lengths, timings)
@@ -147,6 +153,7 @@ def test_one_call_per_iteration_feeds_every_model():
     by_hand.observe_after_generation(2.5)
     by_hand.observe_decode(16.0, 0.04, n_steps=10)
     by_hand.observe_prefill(300, 0.03)
+    by_hand.throughput.observe_env_wait(1.5)
     by_hand.observe_cold_starts([4.0, 6.0])
     by_hand.observe_lengths(ids, lengths)
     assert once.throughput.to_record() == by_hand.throughput.to_record()

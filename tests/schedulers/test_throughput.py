@@ -86,14 +86,28 @@ def test_prefill_rate_and_cold_start_ewma():
     assert model.cold_start_s == pytest.approx(0.3 * 20 + 0.7 * 10)
 
 
+def test_the_wait_on_environments_is_an_ewma_from_zero():
+    model = ThroughputModel(cold_start_alpha=0.3)
+    assert model.env_wait_s == 0.0  # nothing waited for until a shard says so
+    model.observe_env_wait(4.0)  # the first measurement is taken whole
+    model.observe_env_wait(2.0)
+    assert model.env_wait_s == pytest.approx(0.3 * 2 + 0.7 * 4)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        model.observe_env_wait(-1.0)
+
+
 def test_state_dict_round_trips_through_json():
     model = ThroughputModel()
     model.observe_decode([2, 40, 90], [0.02, 0.03, 0.05])
     model.observe_prefill(5000, 0.4)
     model.observe_cold_start(12.5)
+    model.observe_env_wait(3.0)
     other = ThroughputModel()
     other.load_state_dict(json.loads(json.dumps(model.state_dict())))
-    assert other.to_record() == model.to_record()
+    assert other.to_record() == model.to_record() and other.env_wait_s == 3.0
+    older = {k: v for k, v in model.state_dict().items() if "env_wait" not in k}
+    other.load_state_dict(older)  # a checkpoint of an older run: no wait seen
+    assert other.env_wait_s == 0.0
     with pytest.raises(ValueError, match="lacks keys"):
         other.load_state_dict({"version": 1})
 
