@@ -6,8 +6,9 @@ prompts every ``--eval-every`` iterations. Per run it prints the held-out curve,
 end, the largest drop from a peak (``max_drop``), the response length's growth (mean length
 of the last iteration over the first), whether the run collapsed: it ends more than
 ``--collapse-drop`` (0.1) below its peak, and what the online collapse guard said
-(``guard``: its ``collapse`` records; with ``on_collapse = "warn"``, the default, it only
-says, so the verdicts can be compared). Per mode: the collapse rate, the final held-out
+(``guard``: its ``collapse`` records; with the default ``on_collapse = "rollback"`` the run
+went back to its last good checkpoint, and the curve is what it kept; ``--set
+on_collapse=warn`` leaves runs alone, to compare the guard's verdicts with the curve's). Per mode: the collapse rate, the final held-out
 accuracy's mean and standard deviation over seeds, and samples/s (samples trained per second
 from the first iteration's start to the last one's end, mean and standard deviation; the
 held-out evaluations in between are included, so compare modes at the same ``--eval-every``,
@@ -52,8 +53,8 @@ def one_run(cfg, collapse_drop: float) -> dict:
     curve = [(r["iteration"], r["heldout_accuracy"]) for r in records
              if "heldout_accuracy" in r]
     lengths = [r["response_len_mean"] for r in iters if "response_len_mean" in r]
-    guard = [{k: r[k] for k in ("iteration", "signal", "best", "now", "action")}
-             for r in records if r.get("event") == "collapse"]
+    guard = [{k: r[k] for k in ("iteration", "detected_at", "signal", "best", "now", "action")
+              if k in r} for r in records if r.get("event") == "collapse"]
     samples = sum(r.get("samples", 0) for r in iters)
     seconds = iters[-1]["time"] - iters[0]["time"] + iters[0].get("iteration_s", 0.0)
     return {"mode": cfg.mode, "seed": cfg.seed, "curve": curve,

@@ -73,7 +73,7 @@ class Config:
     nonfinite_policy: str = "stop"  # a NaN/inf loss: "stop" the run or "skip" that batch
     # the collapse guard (pipeline/train/guard.py): held-out accuracy, or the training reward
     # while the responses lengthen, falling collapse_drop below its peak
-    on_collapse: str = "warn"  # "warn" (say, record), "rollback" (last good checkpoint), "stop"
+    on_collapse: str = "rollback"  # back to the last good checkpoint; "warn" (say), "stop"
     collapse_drop: float = 0.1  # a fall this far below the peak is a collapse
     collapse_length_growth: float = 1.5  # reward falls count at this x the peak's response length
     rollback_lr_factor: float = 0.5  # on_collapse = "rollback": lr x this after each rollback

@@ -18,13 +18,13 @@ from rlhfless.pipeline.train.guard import WINDOW, CollapseGuard, collapse_record
 
 
 def evals(*accuracies: float) -> list[dict]:
-    return [{"event": "eval", "iteration": 5 * i, "heldout_accuracy": a}
+    return [{"event": "eval", "iteration": 5 * i, "heldout_accuracy": a, "heldout_n": 256}
             for i, a in enumerate(accuracies)]
 
 
 def iterations(rewards: list[float], lengths: list[float]) -> list[dict]:
-    return [{"event": "iteration", "iteration": i + 1, "reward_mean": r, "response_len_mean": n}
-            for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))]
+    return [{"event": "iteration", "iteration": i + 1, "reward_mean": r, "response_len_mean": n,
+             "samples": 256} for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))]
 
 
 def falls(guard: CollapseGuard, records: list[dict]) -> list:
@@ -40,10 +40,19 @@ def test_heldout_falling_past_the_drop_is_said_once_per_best():
         ("heldout", 15, 0.6, 5, 5)
     assert guard.anchors() == (5,)
     assert "held-out accuracy 0.490, down from its best 0.600 at iteration 5" in fall.line()
-    assert falls(guard, [{"event": "eval", "iteration": 25, "heldout_accuracy": 0.45}]) == []
-    later = [{"event": "eval", "iteration": it, "heldout_accuracy": a}
+    assert falls(guard, evals(0, 0, 0, 0, 0, 0.45)[5:]) == []  # said for this best already
+    later = [{"event": "eval", "iteration": it, "heldout_accuracy": a, "heldout_n": 256}
              for it, a in ((30, 0.7), (35, 0.5))]
     assert [f.best_iteration for f in falls(guard, later)] == [30]  # a new best re-arms it
+
+
+def test_on_a_few_held_out_prompts_a_fall_must_beat_their_noise():
+    """0.6 -> 0.45 on 8 prompts is one answer in eight changing: 2 standard errors of the
+    difference are 2 * sqrt(0.24/8 + 0.2475/8) = 0.49; on 256 prompts they are 0.087."""
+    few = [{"event": "eval", "iteration": it, "heldout_accuracy": a, "heldout_n": 8}
+           for it, a in ((5, 0.6), (10, 0.45), (15, 0.0))]
+    assert [f.iteration for f in falls(CollapseGuard(0.1, 1.5), few)] == [15]
+    assert [f.iteration for f in falls(CollapseGuard(0.1, 1.5), evals(0.6, 0.45))] == [5]
 
 
 def test_reward_falls_count_only_while_the_responses_lengthen():
