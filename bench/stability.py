@@ -8,11 +8,12 @@ of the last iteration over the first), whether the run collapsed: it ends more t
 ``--collapse-drop`` (0.1) below its peak, and what the online collapse guard said
 (``guard``: its ``collapse`` records; with the default ``on_collapse = "rollback"`` the run
 went back to its last good checkpoint, and the curve is what it kept; ``--set
-on_collapse=warn`` leaves runs alone, to compare the guard's verdicts with the curve's). Per mode: the collapse rate, the final held-out
-accuracy's mean and standard deviation over seeds, and samples/s (samples trained per second
-from the first iteration's start to the last one's end, mean and standard deviation; the
-held-out evaluations in between are included, so compare modes at the same ``--eval-every``,
-and use ``bench/modes.py`` for throughput alone).
+on_collapse=warn`` leaves runs alone, to compare the guard's verdicts with the curve's).
+Per mode: the collapse rate, the final held-out accuracy's mean and standard deviation over
+seeds, and samples/s (samples trained per second from the first iteration's start to the
+last one's end, mean and standard deviation; the held-out evaluations in between are
+included, so compare modes at the same ``--eval-every``, and use ``bench/modes.py`` for
+throughput alone).
 
 Runs go seed-major (every mode of seed 0, then of seed 1, ...), so a drift in the machine's
 load weighs on every mode alike. Prints one JSON line; each run's line goes to stderr as it
@@ -94,7 +95,8 @@ def main() -> None:
                                       f"eval_every={args.eval_every}", *args.overrides])
         for seed in (int(s) for s in args.seeds.split(",")):
             for mode in args.modes.split(","):
-                cfg = replace(base, name=f"{mode}-{seed}", mode=mode, seed=seed)
+                cfg = replace(base, name=f"{mode.replace('+', '-')}-{seed}", mode=mode,
+                              seed=seed)
                 runs.append(one_run(cfg, args.collapse_drop))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # kept if stopped
     print(json.dumps({"iterations": args.iterations, "overrides": args.overrides,
