@@ -22,6 +22,7 @@ from dask.utils import parse_bytes, parse_timedelta
 
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
+from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .cluster.security import check_security
@@ -80,6 +81,7 @@ class Config:
     max_rollbacks: int = 3  # rollbacks before the run stops with the collapse
     # model and data ("tiny": the embedded default, built locally on first use)
     model: str = "tiny"  # "tiny" or a Hugging Face model directory
+    tiny_context: int = 0  # the tiny model's context in tokens, its weights as built (RoPE); 0: 256
     dataset: str = ""  # RL prompts: .jsonl/.json/.parquet, "reasoning-gym:<task>"; "": tiny
     dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning-gym: size, seed, cfg
     heldout: str = ""  # prompts for evaluation; empty: a split of dataset (or the tiny task's)
@@ -97,6 +99,7 @@ class Config:
     # or "module:Class"
     environment: str = ""  # the multi-turn environment (see above); empty: single-turn
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
+    env_prompts: int = 0  # > 0, no dataset: N prompts per epoch, environment's reset, seeds 0..N-1
     # data_source -> an environment name, or {environment = name, env_kwargs = {...}}
     environments: dict[str, Any] = field(default_factory=dict)  # per data_source (see above)
     max_turns: int = 4  # model turns per episode
@@ -301,6 +304,10 @@ class Config:
             raise ConfigError(f"dataset_kwargs = {self.dataset_kwargs} is for a dataset "
                               "'reasoning-gym:<task>', not a file; remove it")
         self.environment_routes()  # raises for a malformed [environments] entry
+        check_env_prompts(self)
+        if self.tiny_context < 0:
+            raise ConfigError(f"tiny_context = {self.tiny_context} must be >= 0 (0: the tiny "
+                              "model's context as built)")
         if self.agent and ":" not in self.agent and self.agent not in BUILTIN_AGENTS:
             raise ConfigError(f"agent = {self.agent!r}: use 'module:function' or one of "
                               f"{sorted(BUILTIN_AGENTS)}")
@@ -364,6 +371,30 @@ def dataset_task(dataset: str) -> str:
     """The reasoning-gym task of ``dataset = "reasoning-gym:<task>"`` ("" for a file)."""
     adapter = adapter_of(dataset, DATASET_ADAPTERS)
     return adapter[1] if adapter else ""
+
+
+def check_env_prompts(cfg: Config) -> None:
+    """``env_prompts``: the environment's first observations are the prompt sets, so no
+    ``dataset``, ``heldout``, per-source ``environments`` or agent goes with it."""
+    if cfg.env_prompts < 0:
+        raise ConfigError(f"env_prompts = {cfg.env_prompts} must be >= 0 (0: prompts from "
+                          "dataset)")
+    if not cfg.env_prompts:
+        return
+    given = [key for key in ("dataset", "heldout", "environments", "agent")
+             if getattr(cfg, key)]
+    if given:
+        raise ConfigError(f"env_prompts = {cfg.env_prompts} draws the prompts from "
+                          f"environment's reset: remove {' and '.join(given)}, or env_prompts")
+    if not cfg.environment:
+        raise ConfigError(f"env_prompts = {cfg.env_prompts} needs environment = '<library>:"
+                          "<id>' or 'module:Class', a game that makes its first observation")
+    if cfg.env_prompts < cfg.batch_prompts:  # a batch never repeats a prompt
+        raise ConfigError(f"env_prompts = {cfg.env_prompts} is fewer than batch_prompts = "
+                          f"{cfg.batch_prompts}: draw at least a batch of games")
+    if cfg.env_prompts > HELDOUT_SEED:
+        raise ConfigError(f"env_prompts = {cfg.env_prompts} must be at most {HELDOUT_SEED}: "
+                          "the held-out games are seeded from there on")
 
 
 def cuda_available() -> bool:

@@ -25,8 +25,11 @@ from rlhfless.ops.engine.lora import LoraSpec
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.agent import AgentParams
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS
+from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED, env_prompt_records
 from rlhfless.ops.rollouts.episode import EpisodeParams
-from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
+from rlhfless.ops.rollouts.resolve import resolve_environment
+from rlhfless.ops.rollouts.reward import describe_error
+from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model, with_context
 from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 
 from .config import Config, ConfigError, dataset_task
@@ -51,12 +54,15 @@ class Specs:
 
 
 def resolve_model(cfg: Config, log=print) -> Path:
+    """The model directory: the tiny one built (``tiny_context``: with that context), or
+    ``model`` as it is."""
     if cfg.model == "tiny":
-        return ensure_tiny_model(recipe=TASK_RECIPES[cfg.task], log=log)
-    path = Path(cfg.model)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model = {cfg.model!r}: no Hugging Face config.json there")
-    return path
+        path = ensure_tiny_model(recipe=TASK_RECIPES[cfg.task], log=log)
+    else:
+        path = Path(cfg.model)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model = {cfg.model!r}: no Hugging Face config.json there")
+    return with_context(path, cfg.tiny_context) if cfg.tiny_context else path
 
 
 def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
@@ -144,12 +150,13 @@ def load_prompt_sets(cfg: Config, model_path: Path,
     task's or a reasoning-gym task's rows."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(max_prompt_tokens=cfg.max_prompt_tokens, on_bad_row=cfg.on_bad_row,
-              on_long_prompt=cfg.on_long_prompt, require_answers=cfg.require_answers)
+              on_long_prompt=cfg.on_long_prompt,  # a game's prompts have no answer: it scores
+              require_answers=cfg.require_answers and not cfg.env_prompts)
     yours = kw | dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)  # your files' columns
     own_file = cfg.dataset and not dataset_task(cfg.dataset)
     train = _read_prompt_set("dataset", dataset_source(cfg, model_path), tokenizer,
                              yours if own_file else kw)
-    source = f"dataset {cfg.dataset or 'of the tiny task'}"
+    source = f"dataset {cfg.dataset or _own_prompts(cfg)}"
     if len(train.table) == 0:
         raise ConfigError(f"{source}: no prompts{_skipped(train)}; give at least "
                           f"batch_prompts = {cfg.batch_prompts}")
@@ -162,7 +169,7 @@ def load_prompt_sets(cfg: Config, model_path: Path,
         heldout = _read_prompt_set(
             "heldout", cfg.heldout or task_prompts(cfg, model_path, "heldout"), tokenizer,
             yours if cfg.heldout else kw)
-        heldout_source = f"heldout {cfg.heldout or 'of the tiny task'}"
+        heldout_source = f"heldout {cfg.heldout or _own_prompts(cfg)}"
         if len(heldout.table) == 0:  # its accuracy would be NaN
             raise ConfigError(f"{heldout_source}: no prompts{_skipped(heldout)}; held-out "
                               "accuracy needs at least one")
@@ -173,6 +180,10 @@ def load_prompt_sets(cfg: Config, model_path: Path,
                           f"batch_prompts = {cfg.batch_prompts}; set batch_prompts to at most "
                           f"{n} or give more{' (or give heldout)' if held else ''}")
     _say_skipped(log, source, train)
+    if cfg.env_prompts:
+        log(f"prompts: {n} first observations of {cfg.environment} (seeds 0-"
+            f"{cfg.env_prompts - 1}, env_prompts); heldout: {len(heldout_table)} more "
+            f"(seeds from {HELDOUT_SEED})")
     if held:
         log(f"heldout: {len(heldout_table)} of the {len(train.table)} prompts of {source}, "
             "kept out of training (a fixed split by prompt_id); set heldout to evaluate on "
@@ -197,13 +208,37 @@ def split_heldout(table: pa.Table, n: int) -> tuple[pa.Table, pa.Table]:
 
 
 def task_prompts(cfg: Config, model_path: Path, split: str) -> Path | pa.Table:
-    """The embedded task's ``split`` ("train" or "heldout") prompts: the model directory's
-    file, or with ``task = "tally-long"`` the long-tail setting's (``LongTailTallyTask``,
-    drawn with the model recipe's seed, in memory)."""
+    """The ``split`` ("train" or "heldout") prompts when no file is given: with
+    ``env_prompts`` the environment's first observations (training seeds ``0..N-1``,
+    held-out ``heldout_prompts`` seeds from ``HELDOUT_SEED``; ``env_prompts.py``), else the
+    embedded task's: the model directory's file, or with ``task = "tally-long"`` the
+    long-tail setting's (``LongTailTallyTask``, drawn with the model recipe's seed, in
+    memory)."""
+    if cfg.env_prompts:
+        first = 0 if split == "train" else HELDOUT_SEED
+        return env_prompt_table(cfg, range(first, first + (
+            cfg.env_prompts if split == "train" else cfg.heldout_prompts)))
     if cfg.model == "tiny" and cfg.task == "tally-long":
         task = LongTailTallyTask(n_sft=0)
         return pa.Table.from_pylist(make_splits(task, TASK_RECIPES[cfg.task].seed)[split])
     return model_path / f"{split}.jsonl"
+
+
+def env_prompt_table(cfg: Config, seeds: range) -> pa.Table:
+    """The prompt records of ``environment``'s first observations for ``seeds``; what the
+    environment raises is a one-line ``ConfigError``."""
+    try:
+        return pa.Table.from_pylist(env_prompt_records(
+            resolve_environment(cfg.environment), cfg.env_kwargs, cfg.environment, seeds))
+    except Exception as err:  # the environment's own code may raise anything
+        raise ConfigError(f"env_prompts: environment = {cfg.environment!r}: "
+                          f"{describe_error(err)}") from None
+
+
+def _own_prompts(cfg: Config) -> str:
+    """What a prompt set without a file is drawn from, for messages."""
+    return (f"drawn from {cfg.environment} (env_prompts)" if cfg.env_prompts
+            else "of the tiny task")
 
 
 def _read_prompt_set(key: str, source: str | Path, tokenizer, kw: dict) -> LoadResult:

@@ -5,6 +5,7 @@ import them by name: they inherit the test's sys.path).
 after ``turns`` turns; it records, per episode, the turn texts it read and the observations
 it gave. ``Faulty`` fails in the way its prompt's ``answer`` says ("raise", "hang",
 "garbage" at ``step``, "bad-reset" at ``reset``) and behaves like ``Scripted`` otherwise.
+``Unseeded`` makes a first observation that its seed does not fix.
 """
 
 from __future__ import annotations
@@ -48,3 +49,15 @@ class Faulty(Scripted):
         if self.fault == "garbage":
             return {"observation": b"\x00"}  # type: ignore[return-value]
         return super().step(turn)
+
+
+class Unseeded(Scripted):
+    """A game whose first observation counts the resets of its process: it does not replay
+    by its seed (``env_prompts`` must refuse its episodes)."""
+
+    resets = 0
+
+    def reset(self, row: dict) -> str:
+        super().reset(row)
+        Unseeded.resets += 1
+        return f"Game {Unseeded.resets}.\nAnswer:"

@@ -36,6 +36,9 @@ submission: one that raises, overruns or returns the wrong type ends that episod
 ``finish_reason = "error"`` and the reason in ``env_error``, never the shard. A call that
 hangs keeps its pool thread until it returns (Python threads cannot be killed); the episode
 does not wait for it.
+
+A prompt that is the environment's own first observation (``env_prompts.py``) is not
+appended again: ``reset`` must give that observation again, or the episode fails.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from ..engine.generate import SamplingParams, expand_samples, rollouts_table, ro
 from ..engine.protocol import GenerationBackend, Turn
 from ..engine.seeds import subkeys
 from .env import Environment, check_observation, check_step
+from .env_prompts import PROMPT_FROM_RESET, check_replayed
 from .resolve import resolve_environment
 from .reward import describe_error
 
@@ -155,6 +159,9 @@ def _open(ep: _Episode, makers: dict, params: EpisodeParams):
                          f"{sorted(params.routes)}) and there is no default environment")
     ep.env = make(**kwargs)
     observation = ep.env.reset(dict(ep.row))
+    if ep.row.get(PROMPT_FROM_RESET):  # the prompt is this observation (env_prompts.py)
+        check_replayed(ep.row, observation)
+        return None
     if observation is not None:
         check_observation(observation, "reset")
     return observation

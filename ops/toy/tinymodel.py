@@ -11,7 +11,9 @@ model.safetensors, tokenizer.json, the chat template) plus the task's prompt fil
    (single-turn, the default) or ``ops.toy.tinytool`` (multi-turn tool use); ``TASK_RECIPES``
    maps the configuration's ``task`` to its recipe.
 
-The build is deterministic for a seed and cached under a key that hashes the recipe, so a
+``with_context(dir, positions)`` is the same model with a longer (or shorter) context, for
+prompts such as a game's first observation (a few hundred tokens). The build is
+deterministic for a seed and cached under a key that hashes the recipe, so a
 changed recipe never reuses a stale model. The directory is written to a temporary name and
 renamed into place, so a half-built model is never taken for a whole one.
 """
@@ -94,6 +96,24 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
         return {"seconds": time.perf_counter() - started}
 
     return cached_build(root / f"tiny-{recipe.key()}", build)
+
+
+def with_context(model_dir: str | Path, positions: int) -> Path:
+    """The tiny model of ``model_dir`` with a context of ``positions`` tokens: its files as
+    they are, ``max_position_embeddings`` changed (Llama's rotary positions are computed, not
+    learned: the same weights run at any length, untrained past the built context), cached
+    beside it as ``<model_dir>-ctx<positions>``."""
+    model_dir = Path(model_dir)
+
+    def build(tmp: Path) -> dict:
+        shutil.copytree(model_dir, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("COMPLETE"))
+        config = json.loads((tmp / "config.json").read_text())
+        config["max_position_embeddings"] = positions
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        return {"from": model_dir.name, "max_position_embeddings": positions}
+
+    return cached_build(model_dir.parent / f"{model_dir.name}-ctx{positions}", build)
 
 
 def cached_build(final: Path, build: Callable[[Path], dict]) -> Path:

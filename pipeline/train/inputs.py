@@ -11,7 +11,9 @@ key, the problem and the fix.
   scorer (``"reasoning-gym:<task>"``), or ``"module:function"`` that imports here and names a
   callable.
 * ``environment``: it resolves (imports, is a class with ``reset`` and ``step``, or a
-  library's id) and one is built with ``env_kwargs`` (and closed).
+  library's id) and one is built with ``env_kwargs`` (and closed); with ``env_prompts``,
+  its reset for seed 0 makes a first observation (the first prompt).
+* ``tiny_context``: ``model`` is ``"tiny"`` or a directory the tiny builder made.
 * ``check_context``: once the prompts are read, the longest prompt plus the tokens generated
   after it (``max_new_tokens``, or ``max_episode_tokens`` for episodes) fit the model's
   context; the worst prompt is named. The working directory is
@@ -40,7 +42,7 @@ from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.reward import describe_error
 
 from ..config import Config, ConfigError, dataset_task
-from ..specs import run_rewards
+from ..specs import env_prompt_table, run_rewards
 from ..tasks.scoring import VERIFIERS, resolve_reward
 
 GIVEN_DIR = "inputs"  # in the run directory: the prompts given as objects (given_prompts)
@@ -118,6 +120,10 @@ def check_inputs(cfg: Config, given: frozenset[str] = frozenset()) -> None:
     if cfg.model != "tiny" and not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(f"model = {cfg.model!r}: no Hugging Face config.json there; give a "
                           "model directory or 'tiny'")
+    if cfg.tiny_context and cfg.model != "tiny" and not (Path(cfg.model) / "recipe.json"
+                                                         ).is_file():
+        raise ConfigError(f"tiny_context = {cfg.tiny_context} is for the embedded tiny model: "
+                          f"model = {cfg.model!r} is not one (no recipe.json); remove it")
     check_rewards(cfg)
     check_environment(cfg)
 
@@ -137,6 +143,8 @@ def check_environment(cfg: Config) -> None:
         checks.insert(0, ("environment", cfg.episode_environment, cfg.env_kwargs))
     for key, name, kwargs in checks:
         _check_one_environment(key, name, kwargs)
+    if cfg.env_prompts:  # the first game: a reset that makes no prompt is refused here
+        env_prompt_table(cfg, range(1))
 
 
 def check_routes(cfg: Config, prompts: dict) -> None:

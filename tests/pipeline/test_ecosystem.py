@@ -9,8 +9,13 @@ refuse a bad environment, reward or budget before any worker starts.
   routing one ``data_source`` elsewhere: a real run; every game episode replays in the game,
   seeded by its row, to the same per-turn rewards, and the other source's rows played in
   their own environment.
-* One line and exit 2, nothing written, no cluster: an environment module that does not
-  import, a class that is not an environment, a skyrl-gym class given by module path,
+* ``environment = "textarena:2048-v0"`` with ``env_prompts`` and no dataset: a real run;
+  every prompt is the game's first observation of the row's seed, every reward TextArena's
+  own score of the same turns in the game of that seed.
+* One line and exit 2, nothing written, no cluster: ``env_prompts`` without an environment,
+  beside a held-out file, or with an environment whose reset makes no prompt;
+  ``tiny_context`` for a model the tiny builder did not make; an environment module that
+  does not import, a class that is not an environment, a skyrl-gym class given by module path,
   ``env_kwargs`` the class does not take, prompt + ``max_new_tokens`` over the context.
 * A batch in which every episode fails stops the run with the environment's own error.
 
@@ -116,11 +121,48 @@ def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_pa
     assert sources == {"guess", "chat"}
 
 
+def test_a_textarena_game_makes_its_own_prompts_from_config_alone(tiny_model_dir, tmp_path):
+    """No dataset: ``env_prompts`` draws each prompt from 2048-v0's reset under its seed, and
+    ``tiny_context`` gives the tiny model room for it (the game's board is ~370 tokens). Each
+    prompt is its seed's first observation through the chat template, and each episode's
+    reward is what TextArena scores for the same turns, replayed with that seed."""
+    ta = library("textarena")
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="game",
+                 tiny_context=1024, environment="textarena:2048-v0", env_prompts=4,
+                 max_prompt_tokens=512, max_turns=2, max_turn_tokens=8,
+                 max_episode_tokens=256, step_cut_turns=True, **SMALL | {"batch_prompts": 2})
+    said: list[str] = []
+    run = train(cfg, progress=False, log=said.append)
+    assert ("prompts: 4 first observations of textarena:2048-v0 (seeds 0-3, env_prompts); "
+            "heldout: 4 more (seeds from 1000000)") in said, said
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = rollouts(run.path)
+    assert len(rows) == cfg.batch_prompts * cfg.n_samples
+    for row in rows:
+        assert row["env_error"] is None, row["env_error"]
+        seed = json.loads(row["record"])["seed"]
+        assert row["prompt_id"] == f"textarena:2048-v0:{seed}" and 0 <= seed < 4
+        own = ta.make("2048-v0")
+        own.reset(num_players=1, seed=seed)
+        first = tok.apply_chat_template([{"role": "user", "content": own.get_observation()[1]}],
+                                        tokenize=False, add_generation_prompt=True)
+        assert row["prompt_ids"] == tok(first, add_special_tokens=False)["input_ids"]
+        done = False
+        for turn in turns_of(row, tok)[:len(row["turn_rewards"])]:
+            done, _ = own.step(turn)
+        rewards, _ = own.close()  # None: the game set no score before max_turns cut it
+        assert row["reward"] == (rewards[0] if rewards else 0.0)
+        assert done == (row["finish_reason"] == "stop")
+    assert any(row["reward"] != 0 for row in rows)  # the game's score reached the trainer
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hostile_env.py").write_text(
         (Path(__file__).parent / "hostile_env.py").read_text())
+    (tmp_path / "hf_model").mkdir()  # a model directory the tiny builder did not make
+    (tmp_path / "hf_model" / "config.json").write_text("{}")
     return tmp_path
 
 
@@ -153,6 +195,13 @@ def train_argv(*sets: str, model=None) -> list[str]:
     (["environments={tally={environment='tally-tool', env_kwargs={colour=1}}}"],
      "environments.tally = 'tally-tool' cannot be built with env_kwargs = {'colour': 1}"),
     (["environments={tally=3}"], "environments.tally = 3: give an environment name"),
+    (["env_prompts=8"], "env_prompts = 8 needs environment = '<library>:<id>'"),
+    (["env_prompts=8", "environment='tally-tool'", "heldout='h.jsonl'"],
+     "env_prompts = 8 draws the prompts from environment's reset: remove heldout"),
+    (["env_prompts=8", "environment='tally-tool'"],
+     "'tally-tool': ValueError: environment 'tally-tool' gave no first observation for seed 0"),
+    (["tiny_context=1024", "model='hf_model'"],
+     "tiny_context = 1024 is for the embedded tiny model"),
 ])
 def test_bad_environment_or_reward_is_refused_before_anything_starts(workdir, capsys, sets,
                                                                      says):

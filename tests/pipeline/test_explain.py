@@ -24,8 +24,8 @@ from rlhfless.pipeline.explain import examples, field_comments, key_meanings
 from rlhfless.pipeline.train.inputs import check_inputs
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
-EXAMPLES = ("gsm8k", "multi-turn", "reasoning-gym", "skyrl-gym", "slurm", "tiny")
-NEEDS = {"reasoning-gym": "reasoning_gym", "skyrl-gym": "skyrl_gym"}
+EXAMPLES = ("gsm8k", "multi-turn", "reasoning-gym", "skyrl-gym", "slurm", "textarena", "tiny")
+NEEDS = {"reasoning-gym": "reasoning_gym", "skyrl-gym": "skyrl_gym", "textarena": "textarena"}
 SMALL = ["iterations=1", "batch_prompts=4", "n_samples=2", "max_new_tokens=4",
          "heldout_prompts=2", "gen_workers=1", "train_threads=1", "policy=static"]
 
@@ -119,9 +119,11 @@ def run_example(name: str, tmp_path: Path, capsys, *sets: str) -> dict:
 
 
 @pytest.mark.slow  # real runs on a LocalCluster
-@pytest.mark.parametrize("name", ["tiny", "multi-turn"])
+@pytest.mark.parametrize("name", ["tiny", "multi-turn", "textarena"])
 def test_the_embedded_examples_run(name, tiny_model_dir, tmp_path, capsys, monkeypatch):
     # the quick model stands in for the embedded one: its context is 128 positions, not 256
+    if name in NEEDS:
+        library(NEEDS[name])
     monkeypatch.chdir(tmp_path)
     summary = run_example(name, tmp_path, capsys, f"model={tiny_model_dir}",
                           "max_turn_tokens=16", "max_episode_tokens=64")

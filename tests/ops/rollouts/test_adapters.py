@@ -23,6 +23,7 @@ from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.generate import SamplingParams, decode, expand_samples
 from rlhfless.ops.rollouts.adapters import reasoning_gym as rg_adapter
 from rlhfless.ops.rollouts.env import StepResult
+from rlhfless.ops.rollouts.env_prompts import env_prompt_records
 from rlhfless.ops.rollouts.episode import render_messages
 from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.reward import score
@@ -240,6 +241,36 @@ def test_gymnasium_episodes_replay_in_the_library(model64, turn_tokenizer):  # n
         assert row["turns"] <= 3  # the registered time limit cut it
         hinted += len(obs) > 1
     assert hinted > 0  # some episode went past its first guess
+
+
+def test_prompts_drawn_from_the_environment_replay_by_seed(model64, turn_tokenizer):  # noqa: F811
+    """``env_prompts``: each prompt is the first observation of its seed's game; the
+    episode's reset gives it again, so it is not appended again and the game replays by the
+    seed. A game whose first observation its seed does not fix fails its episodes."""
+    library("gymnasium")
+    import gym_envs
+
+    name = "gymnasium:gym_envs:rlhfless-test/Guess-v0"
+    records = env_prompt_records(resolve_environment(name), {}, name, range(3, 5))
+    assert [(r["prompt_id"], r["seed"]) for r in records] == [(f"{name}:3", 3), (f"{name}:4", 4)]
+    assert {r["prompt"] for r in records} == {"Guess a number from 0 to 9.\nAnswer:"}
+    prompts = read_prompts(pa.Table.from_pylist(records), turn_tokenizer).table
+    table, _ = play(model64, turn_tokenizer, prompts, env=name, n=2, max_turns=3,
+                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True)
+    for row in table.to_pylist():
+        assert row["env_error"] is None, row["env_error"]
+        assert row["loss_mask"][0] == 1  # the model's turn comes first: nothing appended
+        own = gym_envs.Guess()
+        own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))
+        turns = turns_of(row, turn_tokenizer)[:len(row["turn_rewards"])]
+        assert turns and row["turn_rewards"] == [gym_envs.guess_reward(t, own.target)
+                                                 for t in turns]
+    unseeded = env_prompt_records(resolve_environment("episode_envs:Unseeded"), {}, "u",
+                                  range(2))
+    table, _ = play(model64, turn_tokenizer, read_prompts(
+        pa.Table.from_pylist(unseeded), turn_tokenizer).table, env="episode_envs:Unseeded", n=1)
+    assert all("does not replay a game by its seed" in error
+               for error in table.column("env_error").to_pylist())
 
 
 def test_an_environment_per_data_source(model64, turn_tokenizer):  # noqa: F811
