@@ -139,7 +139,8 @@ class Config:
     max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
     tis_cap: float = 2.0  # not sync: cap of the importance weight pi_prox / pi_behaviour
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
-    replay_max_age: int = 2  # replay: a group older than this many versions is not replayed
+    replay_max_age: int = 0  # replay: a group older than this many versions is not replayed;
+    # 0: the least that replays, 2 (async+replay: 2 * max_staleness + 1)
     replay_size: int = 64  # replay: the most groups the buffer holds
     replay_share: str = "fixed"  # fixed: replay_ratio always; adaptive: by gen/update balance
     replay_age_decay: float = 1.0  # replay: a group's draw weight shrinks by this per version
@@ -358,6 +359,11 @@ class Config:
         """Whether batches reuse groups from a replay buffer (modes replay, async+replay)."""
         return self.mode in ("replay", "async+replay")
 
+    @property
+    def replay_age(self) -> int:
+        """``replay_max_age``, or with 0 the least that replays anything in this mode."""
+        return self.replay_max_age or (2 * self.max_staleness + 1 if self.overlaps else 2)
+
     def scaling_knobs(self) -> ScalingKnobs:
         """The elastic policy's knobs of this run (the simulator takes the same)."""
         return ScalingKnobs(**{f.name: getattr(self, f.name)
@@ -409,7 +415,7 @@ def check_mode(cfg: Config) -> None:
         raise ConfigError(f"max_staleness = {cfg.max_staleness} must be >= 1 with mode = "
                           f"{cfg.mode!r} (0 is no overlap: mode = 'sync' or 'replay')")
     youngest = 2 * cfg.max_staleness + 1  # see pipeline/train/modes.py, async+replay
-    if cfg.overlaps and cfg.replays and cfg.replay_max_age < youngest:
+    if cfg.overlaps and cfg.replays and cfg.replay_age < youngest:
         raise ConfigError(
             f"replay_max_age = {cfg.replay_max_age} must be >= 2 * max_staleness + 1 = "
             f"{youngest} with mode = 'async+replay': the youngest group in the buffer is that "
@@ -425,7 +431,10 @@ def check_mode(cfg: Config) -> None:
     if cfg.replay_longest and cfg.mode != "replay":
         raise ConfigError(f"replay_longest = true needs mode = 'replay', not {cfg.mode!r}: only "
                           "there do replayed groups replace fresh prompts")
-    for key in ("replay_max_age", "replay_size", "keep_weights", "replay_max_skips"):
+    if cfg.replay_max_age < 0:
+        raise ConfigError(f"replay_max_age = {cfg.replay_max_age} must be >= 0 (0: the least "
+                          "that replays in this mode)")
+    for key in ("replay_size", "keep_weights", "replay_max_skips"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key} = {getattr(cfg, key)} must be >= 1")
     if cfg.max_wall_s < 0:

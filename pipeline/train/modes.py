@@ -28,10 +28,10 @@ come from any published version ``v_p`` with ``i - 1 - p <= max_staleness``. Wit
 
 ``mode = "replay"`` (ReFlow: experience replay). Generation is synchronous, but each batch
 takes up to ``round(replay_ratio * batch_prompts)`` groups (at most ``batch_prompts - 1``)
-from a ``ReplayBuffer`` of informative groups at most ``replay_max_age`` versions old and
-generates only the rest (*replace*). Generation demand shrinks with it: the static graph's
-shards get fewer prompts, and the elastic policy sizes its pool from the prompts actually
-generated. After the update the fresh groups join the buffer.
+from a ``ReplayBuffer`` of informative groups at most ``replay_max_age`` versions old (0,
+the default: 2) and generates only the rest (*replace*). Generation demand shrinks with
+it: the static graph's shards get fewer prompts, and the elastic policy sizes its pool from
+the prompts actually generated. After the update the fresh groups join the buffer.
 
 Which prompts the replayed groups replace: by default the last of the batch in data order
 (they are drawn by the next batch instead). With ``replay_longest = true`` a whole batch is
@@ -66,9 +66,10 @@ gradient share, ages, diversity) and the update's importance weights of the repl
 (``tis_weight_mean_older``).
 
 In async+replay, fresh rows lag at most ``max_staleness`` versions, replayed ones at most
-``replay_max_age``, which must be at least ``2 * max_staleness + 1``: batch j, generated with
-``v_{j-1-s}`` (s = max_staleness), joins the buffer after update j, when the batch being
-drawn is j+1+s, for trainer ``v_{j+s}``, so its groups are ``2s + 1`` versions old there.
+``replay_max_age``, which must be at least ``2 * max_staleness + 1`` (the default, 0, is
+that): batch j, generated with ``v_{j-1-s}`` (s = max_staleness), joins the buffer after
+update j, when the batch being drawn is j+1+s, for trainer ``v_{j+s}``, so its groups are
+``2s + 1`` versions old there.
 
 In every mode every row keeps the ``policy_version`` that generated it (replayed rows too);
 the trainer corrects with truncated importance sampling (``ops/algo/offpolicy.py``, cap
@@ -126,7 +127,7 @@ def mode_specs(specs: Specs, cfg: Config) -> Specs:
     cap, and the published versions kept (an async batch may use one ``max_staleness``
     versions old while newer ones are published)."""
     gen_bound = cfg.max_staleness if cfg.overlaps else 0
-    train_bound = max(gen_bound, cfg.replay_max_age if cfg.replays else 0)
+    train_bound = max(gen_bound, cfg.replay_age if cfg.replays else 0)
     update = specs.train.update
     if cfg.mode != "sync":
         update = dataclasses.replace(update, tis_cap=cfg.tis_cap)
@@ -181,7 +182,7 @@ class ModeRunner:
     def _new_buffer(self) -> ReplayBuffer | None:
         if not self.cfg.replays:
             return None
-        return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_max_age, seed=self.cfg.seed,
+        return ReplayBuffer(self.cfg.replay_size, self.cfg.replay_age, seed=self.cfg.seed,
                             age_decay=self.cfg.replay_age_decay,
                             max_skips=self.cfg.replay_max_skips)
 
@@ -300,7 +301,7 @@ class ModeRunner:
             batch = pa.concat_tables([batch, more])
         self.log_decision(i, pool="replay", kind="replay_share", mix=self.share.mix,
                           sharing=self.share.sharing, target_version=target,
-                          max_age=self.cfg.replay_max_age, buffer_groups=len(self.buffer),
+                          max_age=self.cfg.replay_age, buffer_groups=len(self.buffer),
                           drawn=len(replayed), **decision.to_record(), **facts)
         return batch, replayed
 
@@ -345,7 +346,7 @@ class ModeRunner:
         lags = [check_staleness(fresh, weights.version, self.ahead, where)]
         if job.replayed:
             replayed = pa.concat_tables(job.replayed)
-            lags.append(check_staleness(replayed, weights.version, self.cfg.replay_max_age,
+            lags.append(check_staleness(replayed, weights.version, self.cfg.replay_age,
                                         f"{where} (replayed)"))
         lag = np.concatenate(lags)
         record |= {"samples": len(lag), "fresh_prompts": job.prompts,

@@ -169,6 +169,16 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
     assert both.train.keep_versions == 3
 
 
+def test_every_mode_runs_at_the_default_replay_age():
+    """``replay_max_age = 0`` (the default) is the least age that replays anything: 2 in
+    replay, ``2 * max_staleness + 1`` in async+replay (where 2 would replay nothing)."""
+    specs = _specs()
+    assert mode_specs(specs, Config(mode="replay")).train.max_staleness == 2
+    for staleness in (1, 2):
+        both = mode_specs(specs, Config(mode="async+replay", max_staleness=staleness))
+        assert both.train.max_staleness == 2 * staleness + 1
+
+
 @pytest.mark.parametrize("values, words", [
     ({"mode": "async", "max_staleness": 0}, ["max_staleness", ">= 1", "'sync'"]),
     ({"mode": "async+replay", "max_staleness": 0}, ["max_staleness", "'async+replay'"]),
