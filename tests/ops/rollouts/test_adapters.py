@@ -68,6 +68,26 @@ def test_reasoning_gym_rows_are_scored_by_the_task_itself(tokenizer):
     assert json.loads(record["metadata"])["expression"] == entries[0]["metadata"]["expression"]
 
 
+def test_reasoning_gym_scores_by_the_config_its_rows_were_drawn_with(tokenizer):
+    """puzzle24's score_answer checks the numbers against its config's bounds: the same text
+    scores 1.0 under the defaults (max_value 10) and 0.01 drawn with max_value 9, as the
+    library's own dataset of that config says."""
+    rg = library("reasoning_gym")
+    text = "10 + 10 + 2 + 2"
+    scores = {}
+    for config in ({}, {"max_value": 9}):
+        records = pa.Table.from_pylist(rg_adapter.task_records("puzzle24", size=2, seed=0,
+                                                               **config))
+        rollouts = read_prompts(records, tokenizer).table.append_column(
+            "response_text", pa.array([text] * len(records), pa.string()))
+        scored = score(rollouts, {"reasoning-gym:puzzle24": rg_adapter.scorer("puzzle24")})
+        dataset = rg.create_dataset("puzzle24", size=2, seed=0, **config)
+        assert scored.column("reward").to_pylist() == [dataset.score_answer(text, e)
+                                                       for e in dataset]
+        scores[json.dumps(config)] = set(scored.column("reward").to_pylist())
+    assert scores == {"{}": {1.0}, '{"max_value": 9}': {0.01}}
+
+
 def test_skyrl_gym_env_steps_as_the_library_does(tokenizer):
     skyrl = library("skyrl_gym")
     env = resolve_environment("skyrl-gym:gsm8k_multi_turn")()
