@@ -4,9 +4,11 @@
     "skyrl-gym:<id>"               a skyrl-gym environment, unchanged (adapters/skyrl_gym.py)
     "textarena:<env id>"           a single-player TextArena game (adapters/textarena.py)
     "gymnasium:<module>:<id>"      a Gymnasium text environment (adapters/gymnasium.py)
+    "openenv:<module>:<Class>"     an OpenEnv Environment class, in process (adapters/openenv.py)
     "package.module:Class"         a user class: an ``Environment``, or any class with
                                    ``reset(row)`` and ``step(turn)`` (duck-typed), or one
-                                   with Gymnasium's ``reset(seed=...)`` (adapted)
+                                   with Gymnasium's ``reset(seed=...)`` or OpenEnv's base
+                                   (adapted)
 
 ``resolve_environment`` returns a callable that takes the ``env_kwargs`` and returns a fresh
 environment; a name that cannot work raises ``ValueError`` (or what importing raised), so
@@ -21,27 +23,21 @@ from functools import partial
 
 from .adapters import ENVIRONMENT_ADAPTERS, LIBRARY_PREFIX, adapter_of
 from .adapters.gymnasium import GymnasiumEnv, gymnasium_style
+from .adapters.openenv import OpenEnvEnv, openenv_class
 from .env import BUILTIN_ENVIRONMENTS, Environment
 
 
 def resolve_environment(name: str) -> Callable[..., Environment]:
     """A built-in environment class, an adapter bound to its library id, or a user class
-    (bound to the Gymnasium adapter when its ``reset`` is Gymnasium's)."""
+    (bound to the OpenEnv adapter when it derives from OpenEnv's ``Environment``, to the
+    Gymnasium adapter when its ``reset`` is Gymnasium's)."""
     adapter = adapter_of(name, ENVIRONMENT_ADAPTERS)
     if adapter is not None:
         cls, ident = adapter
         return partial(cls, ident)
-    target = BUILTIN_ENVIRONMENTS.get(name, name)
-    module, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)}, "
-                         f"'<library>:<id>' ({', '.join(sorted(ENVIRONMENT_ADAPTERS))}) or "
-                         "'package.module:Class'")
-    cls = getattr(importlib.import_module(module), attr, None)
-    if cls is None:
-        raise ValueError(f"environment {name!r}: module {module!r} has no {attr!r}")
-    if not isinstance(cls, type):
-        raise ValueError(f"environment {name!r} is a {type(cls).__name__}, not a class")
+    cls = import_class(name, BUILTIN_ENVIRONMENTS.get(name, name))
+    if openenv_class(cls):
+        return partial(OpenEnvEnv, cls)
     library = cls.__module__.split(".")[0]
     if library in LIBRARY_PREFIX:
         raise ValueError(f"environment {name!r} is a {library} class: name it "
@@ -53,3 +49,19 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
                          "Environment; skyrl-gym and TextArena classes go by "
                          "'skyrl-gym:<id>' / 'textarena:<env id>')")
     return partial(GymnasiumEnv, cls) if gymnasium_style(cls) else cls
+
+
+def import_class(name: str, target: str) -> type:
+    """The class ``target`` (``"package.module:Class"``) names; ``name`` is the configured
+    environment, for the messages."""
+    module, _, attr = target.partition(":")
+    if not attr:
+        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)}, "
+                         f"'<library>:<id>' ({', '.join(sorted(ENVIRONMENT_ADAPTERS))}) or "
+                         "'package.module:Class'")
+    cls = getattr(importlib.import_module(module), attr, None)
+    if cls is None:
+        raise ValueError(f"environment {name!r}: module {module!r} has no {attr!r}")
+    if not isinstance(cls, type):
+        raise ValueError(f"environment {name!r} is a {type(cls).__name__}, not a class")
+    return cls

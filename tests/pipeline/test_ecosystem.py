@@ -9,6 +9,8 @@ refuse a bad environment, reward or budget before any worker starts.
   routing one ``data_source`` elsewhere: a real run; every game episode replays in the game,
   seeded by its row, to the same per-turn rewards, and the other source's rows played in
   their own environment.
+* ``environment = "openenv:openenv_envs:GuessEnvironment"``: a real run; every episode
+  replays in the OpenEnv class, seeded by its row, to the same per-turn rewards.
 * ``environment = "textarena:2048-v0"`` with ``env_prompts`` and no dataset: a real run;
   every prompt is the game's first observation of the row's seed, every reward TextArena's
   own score of the same turns in the game of that seed.
@@ -119,6 +121,33 @@ def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_pa
         assert row["turn_rewards"] == [gym_envs.guess_reward(t, own.target) for t in turns]
         assert row["reward"] == sum(row["turn_rewards"])
     assert sources == {"guess", "chat"}
+
+
+def test_an_openenv_environment_runs_from_config_alone(tiny_model_dir, tmp_path):
+    """``environment = "openenv:..."``: an OpenEnv ``Environment`` class run in process;
+    every episode replays in the library's class, seeded by its row, to the same rewards."""
+    library("openenv")
+    import openenv_envs
+
+    data = tmp_path / "guess.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Round {i}.\n", "answer": "0", "seed": i})
+                            + "\n" for i in range(10)))
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="openenv",
+                 dataset=str(data), environment="openenv:openenv_envs:GuessEnvironment",
+                 env_kwargs={"max_steps": 2}, max_turns=3, max_turn_tokens=8,
+                 max_episode_tokens=80, step_cut_turns=True, **SMALL)
+    run = train(cfg, progress=False, log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = rollouts(run.path)
+    assert len(rows) == cfg.batch_prompts * cfg.n_samples
+    for row in rows:
+        assert row["env_error"] is None, row["env_error"]
+        own = openenv_envs.GuessEnvironment(max_steps=2)
+        own.reset(seed=int(row["prompt_id"].rsplit(":", 1)[1]))
+        turns = turns_of(row, tok)[:len(row["turn_rewards"])]
+        assert 1 <= len(turns) <= 2  # the environment's own max_steps ends it
+        assert row["turn_rewards"] == [openenv_envs.guess_reward(t, own.target) for t in turns]
+        assert row["reward"] == sum(row["turn_rewards"])
 
 
 def test_a_textarena_game_makes_its_own_prompts_from_config_alone(tiny_model_dir, tmp_path):

@@ -4,6 +4,8 @@
     environment = "textarena:<env id>"     textarena.py   (a single-player TextArena game)
     environment = "gymnasium:<module>:<id>" gymnasium.py  (a Gymnasium text env the module
                                            registers; a Gymnasium-style class by module path)
+    environment = "openenv:<module>:<Class>" openenv.py  (an OpenEnv Environment class, run
+                                           in process)
     dataset = "reasoning-gym:<task>"       reasoning_gym.py (its generator; its scorer as
                                            the reward "reasoning-gym:<task>")
 
@@ -15,11 +17,12 @@ one is a one-line error naming the package to install. ``_`` spellings of the pr
 from __future__ import annotations
 
 from .gymnasium import GymnasiumEnv
+from .openenv import OpenEnvEnv
 from .skyrl_gym import SkyrlGymEnv
 from .textarena import TextArenaEnv
 
 ENVIRONMENT_ADAPTERS = {"skyrl-gym": SkyrlGymEnv, "textarena": TextArenaEnv,
-                        "gymnasium": GymnasiumEnv}
+                        "gymnasium": GymnasiumEnv, "openenv": OpenEnvEnv}
 DATASET_ADAPTERS = ("reasoning-gym",)  # dataset and reward names: reasoning_gym.py
 LIBRARY_PREFIX = {"skyrl_gym": "skyrl-gym", "textarena": "textarena",
                   "reasoning_gym": "reasoning-gym"}  # top-level module -> prefix
@@ -39,5 +42,5 @@ def adapter_of(name: str, table):
 
 
 EXAMPLE_IDS = {"skyrl-gym": "gsm8k_multi_turn", "textarena": "GuessTheNumber-v0",
-               "gymnasium": "mytask.envs:Guess-v0",
+               "gymnasium": "mytask.envs:Guess-v0", "openenv": "my_env.server:MyEnvironment",
                "reasoning-gym": "basic_arithmetic"}

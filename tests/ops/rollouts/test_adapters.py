@@ -322,3 +322,58 @@ def test_an_environment_per_data_source(model64, turn_tokenizer):  # noqa: F811
     assert len(episode_envs.LOG) == 2  # only the chat rows reached Scripted
     for row in by_source["other"]:
         assert "data_source 'other' has no environment" in row["env_error"]
+
+
+def test_openenv_env_by_prefix_and_by_class():
+    """An OpenEnv ``Environment`` plays as OpenEnv says: ``reset(seed, episode_id)`` and
+    ``step(Action)`` -> ``Observation(done, reward, ...)``, the turn in the action's one text
+    field, the observation's own field as the text appended; several fields as lines."""
+    library("openenv")
+    import openenv_envs
+
+    env = resolve_environment("openenv:openenv_envs:GuessEnvironment")(max_steps=3)
+    assert env.reset({"seed": 3, "episode_seed": 1, "prompt_id": "p", "sample_idx": 0}) == \
+        "Guess a number from 0 to 9.\nAnswer:"
+    log = openenv_envs.LOG["p#0"]
+    assert log["seed"] == 3  # the row's seed wins over the episode's
+    first = env.step(f" {(log['target'] + 1) % 10} items")
+    assert first.observation.endswith("\nAnswer:") and (first.reward, first.done) == (0.0, False)
+    assert env.step(f" {log['target']}") == StepResult("", 1.0, True)
+    assert log["guesses"] == [f" {(log['target'] + 1) % 10} items", f" {log['target']}"]
+    env.close()
+    by_class = resolve_environment("openenv_envs:GuessEnvironment")(high=3)  # no prefix
+    assert by_class.reset({"episode_seed": 2}) == "Guess a number from 0 to 3.\nAnswer:"
+    code = resolve_environment("openenv:openenv_envs:EvalEnvironment")()
+    assert code.reset({"episode_seed": 0}) == "stdout: ready\nstderr: \nexit_code: 0"
+    assert code.step("1 + x") == StepResult("stdout: \nstderr: ValueError\nexit_code: 1",
+                                            0.0, False)
+    assert code.step("1 + 2") == StepResult("", 1.0, True)
+    with pytest.raises(ValueError, match="TwoTextAction has 2 str fields"):
+        resolve_environment("openenv:openenv_envs:TwoTextEnvironment")()
+    with pytest.raises(ValueError, match="is not an OpenEnv Environment class"):
+        resolve_environment("openenv:gym_envs:Guess")()
+    with pytest.raises(TypeError):
+        resolve_environment("openenv:openenv_envs:GuessEnvironment")(colour="red")
+
+
+def test_openenv_episodes_replay_in_the_library(model64, turn_tokenizer):  # noqa: F811
+    library("openenv")
+    import openenv_envs
+
+    source = [{"prompt": text, "answer": "", "seed": s} for s, text in zip((21, 22), TEXTS)]
+    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
+    table, _ = play(model64, turn_tokenizer, prompts,
+                    env="openenv:openenv_envs:GuessEnvironment", n=2, max_turns=4,
+                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True)
+    assert table.column("env_error").null_count == len(table), table.column("env_error")
+    seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+    for row in table.to_pylist():
+        own = openenv_envs.GuessEnvironment()
+        first = own.reset(seed=seeds[row["prompt_id"]]).hint
+        turns = turns_of(row, turn_tokenizer)[:len(row["turn_rewards"])]
+        want = [openenv_envs.guess_reward(t, own.target) for t in turns]
+        assert row["turn_rewards"] == want and row["env_reward"] == sum(want)
+        obs = [row["response_ids"][a:b] for v, a, b in runs(row["loss_mask"]) if v == 0]
+        hints = [own.step(openenv_envs.GuessAction(guess=t)).hint for t in turns]
+        assert obs == [turn_tokenizer(text, add_special_tokens=False)["input_ids"]
+                       for text in [first, *hints][:len(obs)]]
