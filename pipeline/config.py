@@ -115,6 +115,8 @@ class Config:
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
+    # episodes' credit (ops/algo/advantage.py): normalised among the group's same-index turns
+    turn_credit: str = "episode"  # episode: every turn the episode's; return_to_go: its own onward
     batch_prompts: int = 32  # prompts per iteration
     n_samples: int = 8  # responses per prompt (the group)
     max_new_tokens: int = 64  # tokens generated per response
@@ -241,6 +243,14 @@ class Config:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
             raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
+        if self.turn_credit not in ("episode", "return_to_go"):
+            raise ConfigError(f"turn_credit = {self.turn_credit!r}: allowed 'episode', "
+                              "'return_to_go'")
+        if self.turn_credit == "return_to_go" and (
+                self.algorithm != "grpo" or not (self.episode_environment
+                                                 or self.environments or self.agent)):
+            raise ConfigError("turn_credit = 'return_to_go' credits the turns of episodes: it "
+                              "needs algorithm = 'grpo' and an environment or agent")
         if self.n_samples < 2:  # one sample is its group's mean: every advantage is 0
             raise ConfigError(f"n_samples = {self.n_samples} must be >= 2 for algorithm = "
                               f"{self.algorithm!r}: a group of one sample has advantage 0, "

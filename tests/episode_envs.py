@@ -5,7 +5,8 @@ import them by name: they inherit the test's sys.path).
 after ``turns`` turns; it records, per episode, the turn texts it read and the observations
 it gave. ``Faulty`` fails in the way its prompt's ``answer`` says ("raise", "hang",
 "garbage" at ``step``, "bad-reset" at ``reset``) and behaves like ``Scripted`` otherwise.
-``Unseeded`` makes a first observation that its seed does not fix.
+``Unseeded`` makes a first observation that its seed does not fix. ``Graded`` is ``Scripted``
+whose step reward depends on the turn (``graded_reward``), so samples' turns differ in it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ class Faulty(Scripted):
         if self.fault == "garbage":
             return {"observation": b"\x00"}  # type: ignore[return-value]
         return super().step(turn)
+
+
+def graded_reward(turn: str) -> float:
+    """``Graded``'s reward of one turn, written apart for the tests to compare."""
+    return (len(turn) % 3) / 2
+
+
+class Graded(Scripted):
+    def step(self, turn: str) -> StepResult:
+        result = super().step(turn)
+        return StepResult(result.observation, graded_reward(turn), result.done)
 
 
 class Unseeded(Scripted):

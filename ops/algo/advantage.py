@@ -13,6 +13,18 @@
 
 Arithmetic is float64 numpy over the whole table (no Python loop over rows); rows keep their
 order.
+
+Turn credit (``turn_advantages``, multi-turn episodes with ``turn_credit =
+"return_to_go"``): each model turn k of an episode is credited with its return to go,
+``G_k = sum(turn_rewards[k:]) + F`` (``F`` = the episode's reward less its steps' rewards:
+``close()``'s final reward, a verifier's score), and normalised as GRPO does within its slot,
+the turns k of one prompt's samples that reached turn k: ``A_k = (G_k - mean) / (std + eps)``
+(``scale=False``: ``G_k - mean``), 0 for a slot of one turn or of equal returns. ``G_0`` is
+the episode's reward, so turn 0 gets the sequence's own GRPO advantage; a later turn is
+credited only with what followed it, against samples that got that far. A turn is a run of
+generated tokens (``loss_mask``); a row where two turns touch (an environment that appended
+nothing between them) cannot be split by turns and keeps its sequence advantage on every
+token, out of the slots.
 """
 
 from __future__ import annotations
@@ -61,6 +73,41 @@ def compute_advantages(
     return scored.append_column(
         TRAINABLE.field("advantage"), pa.array(advantage.astype(np.float32), pa.float32())
     )
+
+
+def turn_advantages(trainable: pa.Table, *, eps: float = 1e-6, scale: bool = True) -> pa.Array:
+    """Per row, one float32 advantage per model turn (module docstring: turn credit), from
+    ``prompt_id``, ``reward``, ``advantage``, ``turn_rewards``, ``turns`` and ``loss_mask``.
+    Slots are built by a loop over rows; the normalisation is ``grpo_advantages``'."""
+    group, _ = group_index(trainable.column("prompt_id"))
+    reward = trainable.column("reward").to_pylist()
+    advantage = trainable.column("advantage").to_pylist()
+    steps = trainable.column("turn_rewards").to_pylist()
+    turns = trainable.column("turns").to_pylist()
+    masks = trainable.column("loss_mask").to_pylist()
+    slot_of: dict[tuple[int, int], int] = {}
+    slots, returns, owner = [], [], []  # per credited turn: its slot, G_k, (row, k)
+    n_runs = []
+    for row, (mask, rewards) in enumerate(zip(masks, steps)):
+        runs = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] != 1))
+        n_runs.append(runs)
+        if runs != turns[row]:  # turns that touch: no split by turn
+            continue
+        final = reward[row] - sum(rewards)
+        for k in range(runs):
+            slots.append(slot_of.setdefault((int(group[row]), k), len(slot_of)))
+            returns.append(sum(rewards[k:]) + final)
+            owner.append((row, k))
+    out = [[float(advantage[row])] * runs for row, runs in enumerate(n_runs)]
+    if returns:
+        slot, g = np.asarray(slots, np.int64), np.asarray(returns, np.float64)
+        count = np.bincount(slot, minlength=len(slot_of))
+        centred = g - (np.bincount(slot, weights=g, minlength=len(slot_of)) / count)[slot]
+        credited = grpo_advantages(centred, slot, count, eps, scale)
+        credited[constant_groups(g, slot, len(slot_of))[slot]] = 0.0
+        for (row, k), value in zip(owner, credited):
+            out[row][k] = float(value)
+    return pa.array(out, pa.list_(pa.float32()))
 
 
 def grpo_advantages(

@@ -139,6 +139,28 @@ def loss_masks(trainable: pa.Table) -> list[list[int]] | None:
     return masks
 
 
+def token_advantages(trainable: pa.Table,
+                     masks: list[list[int]] | None) -> list[list[float]] | None:
+    """Per row, each response token's advantage from ``turn_advantage`` (one per run of
+    generated tokens, ``ops/algo/advantage.py`` turn credit; observation tokens 0); None
+    when the table has no such column (one advantage per sequence)."""
+    if "turn_advantage" not in trainable.column_names:
+        return None
+    if masks is None:
+        raise ValueError("update_policy: turn_advantage needs the episodes' loss_mask")
+    out = []
+    for row, (mask, per_turn) in enumerate(zip(masks, trainable.column("turn_advantage")
+                                               .to_pylist())):
+        turn = [-1]  # per token, the run of generated tokens it is in
+        for i, m in enumerate(mask):
+            turn.append(turn[-1] + (m == 1 and (i == 0 or mask[i - 1] != 1)))
+        if turn[-1] + 1 != len(per_turn):
+            raise ValueError(f"update_policy: row {row} has {turn[-1] + 1} generated turns "
+                             f"but {len(per_turn)} turn advantages")
+        out.append([per_turn[k] if m == 1 else 0.0 for k, m in zip(turn[1:], mask)])
+    return out
+
+
 class EpisodesFailed(ValueError):
     """Every episode of a batch failed in its environment: nothing to train on. The message
     quotes the first environment error (a misspelt ``env_kwargs`` key, a first observation
@@ -178,6 +200,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                 f"update_policy: row {row} has {len(r)} response tokens but {len(b)} logprobs"
             )
     masks = loss_masks(trainable)
+    per_token = token_advantages(trainable, masks)
     keep = [i for i, r in enumerate(responses) if r]
     n_tokens = sum(sum(masks[i]) for i in keep) if masks else sum(len(responses[i]) for i in keep)
     _raise_if_every_episode_failed(trainable)
@@ -228,9 +251,12 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                 """The loss of the rows ``rows`` of ``mb``; adds to the metrics."""
                 idx = [mb[j] for j in rows]
                 old = _scatter_rows([behaviour[i] for i in idx], scored)
+                if per_token is None:
+                    adv = torch.tensor([advantages[i] for i in idx], device=device)[:, None]
+                else:  # turn credit: each turn's tokens their turn's advantage
+                    adv = _scatter_rows([per_token[i] for i in idx], scored)
                 if masks:  # multi-turn: observation tokens take no part in the loss
                     scored = scored & (_scatter_rows([masks[i] for i in idx], scored) > 0)
-                adv = torch.tensor([advantages[i] for i in idx], device=device)[:, None]
                 key = tuple(idx)
                 if params.tis_cap is not None and key not in prox:  # no step yet: own logps
                     prox[key] = logp.detach()

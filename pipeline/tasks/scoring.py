@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from rlhfless.ops.algo.advantage import compute_advantages
+from rlhfless.ops.algo.advantage import compute_advantages, turn_advantages
 from rlhfless.ops.data.schema import TRAINABLE
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of, reasoning_gym
@@ -51,10 +51,19 @@ def reward_task(rollouts: Generated, spec: RewardSpec) -> Generated:
                                      fallback=spec.fallback))
 
 
-def advantage_task(scored: Generated, algorithm: str, n_samples: int) -> Generated:
-    """The scored rows with their ``advantage``, beside the same statistics."""
+TURN_CREDITS = ("episode", "return_to_go")
+
+
+def advantage_task(scored: Generated, algorithm: str, n_samples: int,
+                   turn_credit: str = "episode") -> Generated:
+    """The scored rows with their ``advantage``, beside the same statistics; with
+    ``turn_credit = "return_to_go"`` episodes get ``turn_advantage`` too (one per model turn,
+    ``ops/algo/advantage.py``), which the update uses in place of ``advantage``."""
     table = scored.table
     if len(table) == 0:
-        return scored.with_table(table.append_column(TRAINABLE.field("advantage"),
-                                                     pa.array([], pa.float32())))
-    return scored.with_table(compute_advantages(table, algorithm, n_samples=n_samples))
+        table = table.append_column(TRAINABLE.field("advantage"), pa.array([], pa.float32()))
+    else:
+        table = compute_advantages(table, algorithm, n_samples=n_samples)
+    if turn_credit == "return_to_go" and "loss_mask" in table.column_names:
+        table = table.append_column("turn_advantage", turn_advantages(table))
+    return scored.with_table(table)

@@ -408,6 +408,7 @@ class ElasticGeneration:
                                specs.reward, key=task_key("reward", iteration, shard),
                                resources={"TRAIN": 1})
         return client.submit(advantage_task, scored, self.cfg.algorithm, self.cfg.n_samples,
+                             self.cfg.turn_credit,
                              key=task_key("advantage", iteration, shard),
                              resources={"TRAIN": 1})
 

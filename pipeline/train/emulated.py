@@ -224,6 +224,7 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
         scored = pc.client.submit(reward_task, rollouts, specs.reward,
                                   key=task_key("reward", iteration, i), resources={"TRAIN": 1})
         out.append(pc.client.submit(advantage_task, scored, cfg.algorithm, cfg.n_samples,
+                                    cfg.turn_credit,
                                     key=task_key("advantage", iteration, i),
                                     resources={"TRAIN": 1}))
     return out

@@ -109,7 +109,7 @@ def rollout_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
 def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                     gen: GenSpec, reward: RewardSpec, *, algorithm: str, seed: int,
                     min_prefix: int, target_version: int | None = None,
-                    scaling: ScalingPolicy | None = None,
+                    scaling: ScalingPolicy | None = None, turn_credit: str = "episode",
                     ) -> tuple[Delayed, list[Delayed], list[Delayed]]:
     """``rollout_graph`` → advantage: returns (plan, shards, one trainable table per
     shard)."""
@@ -118,7 +118,7 @@ def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
                                          target_version=target_version, scaling=scaling)
     with dask.annotate(resources={"GEN": 1}):
         trainables = [
-            delayed(advantage_task)(s, algorithm, gen.n_samples,
+            delayed(advantage_task)(s, algorithm, gen.n_samples, turn_credit,
                                     dask_key_name=task_key("advantage", iteration, i))
             for i, s in enumerate(scored)
         ]

@@ -274,7 +274,7 @@ class ModeRunner:
             plan, parts, tables = trainable_graph(
                 batch, weights, i, self.cfg.gen_workers, self.specs.gen, self.specs.reward,
                 algorithm=self.cfg.algorithm, seed=seed, min_prefix=self.cfg.min_prefix,
-                target_version=target, scaling=self.scaling)
+                target_version=target, scaling=self.scaling, turn_credit=self.cfg.turn_credit)
             plan, *futures = self.pc.client.compute([plan, *parts, *tables],
                                                     optimize_graph=False)
             shards, trainables = futures[: len(parts)], futures[len(parts):]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfless.ops.algo.advantage import advantage_summary, compute_advantages
+from rlhfless.ops.algo.advantage import advantage_summary, compute_advantages, turn_advantages
 from rlhfless.ops.data.schema import ROLLOUTS, SCORED, TRAINABLE
 from rlhfless.ops.rollouts.reward import score
 
@@ -54,6 +54,37 @@ def test_grpo_unscaled_matches_hand_computation() -> None:
 
 def test_rloo_matches_hand_computation() -> None:
     assert advantages(compute_advantages(EXAMPLE, "rloo")) == pytest.approx(RLOO, abs=1e-6)
+
+
+def test_turn_credit_matches_hand_computation() -> None:
+    """Return to go per turn, GRPO within (prompt, turn index):
+    a0: turns 2, steps [0, 1], reward 1.5 (0.5 final)  G = [1.5, 1.5]
+    a1: turns 1, steps [0],    reward 0                G = [0]
+    a2: turns 2, steps [.5, 0], reward .5              G = [.5, 0]
+    slot (a, 0): [1.5, 0, .5], mean 2/3, ddof=1 std sqrt(21)/6 -> 1.0910895, -0.8728716,
+                 -0.2182179 (the sequences' own GRPO advantages); slot (a, 1): [1.5, 0] ->
+                 +-0.7071068; b0's slots hold one turn each -> 0; b1's two turns touch (no
+                 observation between them): one run, its sequence advantage."""
+    table = pa.table({
+        "prompt_id": ["a", "a", "a", "b", "b"],
+        "reward": pa.array([1.5, 0.0, 0.5, 1.0, 0.0], pa.float64()),
+        "turn_rewards": pa.array([[0.0, 1.0], [0.0], [0.5, 0.0], [1.0, 0.0], [0.0, 0.0]],
+                                 pa.list_(pa.float64())),
+        "turns": pa.array([2, 1, 2, 2, 2], pa.int32()),
+        "loss_mask": pa.array([[0, 1, 1, 0, 1], [0, 1, 1], [0, 1, 0, 1], [1, 0, 1], [1, 1]],
+                              pa.list_(pa.int8())),
+    })
+    table = compute_advantages(table)
+    out = turn_advantages(table).to_pylist()
+    assert [len(t) for t in out] == [2, 1, 2, 2, 1]
+    want = [[1.0910895, 0.7071068], [-0.8728716], [-0.2182179, -0.7071068], [0.0, 0.0],
+            [-0.7071068]]
+    for got, expected in zip(out, want):
+        assert got == pytest.approx(expected, abs=1e-5)
+    sequence = advantages(table)
+    assert [t[0] for t in out[:3]] == pytest.approx(sequence[:3], abs=1e-6)
+    unscaled = turn_advantages(table, scale=False).to_pylist()
+    assert unscaled[0] == pytest.approx([5 / 6, 0.75]) and unscaled[3] == [0.0, 0.0]
 
 
 def test_rows_and_columns_keep_their_order() -> None:

@@ -333,3 +333,48 @@ def test_a_non_finite_loss_takes_no_step(model, tokenizer, batch, bad):
     assert all(p.grad is None for p in policy.parameters())
     assert update_policy(policy, optimizer, batch, UpdateParams(),
                          tokenizer.pad_token_id)["nonfinite_update"] == 0.0
+
+
+def with_turns(table: pa.Table, per_turn: list[list[float]] | None) -> pa.Table:
+    """``table`` as two-turn episodes: each response's middle third an observation (loss mask
+    0), the rest two generated turns; ``per_turn`` each row's ``turn_advantage``, if given."""
+    masks = []
+    for r in table.column("response_ids").to_pylist():
+        a, b = len(r) // 3 or 1, 2 * len(r) // 3 or 1
+        masks.append([1] * a + [0] * (b - a) + [1] * (len(r) - b))
+    table = table.append_column("loss_mask", pa.array(masks, pa.list_(pa.int8())))
+    if per_turn is not None:
+        table = table.append_column("turn_advantage", pa.array(per_turn, pa.list_(pa.float32())))
+    return table
+
+
+def test_turn_advantages_weigh_each_turns_tokens(model64, tokenizer, batch):
+    """The same advantage on both turns is the sequence advantage, bit for bit; and the
+    gradient is linear in the turns' advantages: [A, B] = [A, 0] + [0, B] (at ratio 1 no
+    clip acts), up to float32 rounding of each tensor's scale, as micro-batching is."""
+    pad = tokenizer.pad_token_id
+    rows = [r for r in range(batch.num_rows) if len(batch.column("response_ids")[r]) >= 3]
+    batch = batch.take(rows)  # two generated turns each
+    adv = batch.column("advantage").to_pylist()
+    second = [-a / 2 for a in adv]
+    sequence, _ = grads_after_one_step(model64, with_turns(batch, None), 64, pad)
+    same, _ = grads_after_one_step(model64, with_turns(batch, [[a, a] for a in adv]), 64, pad)
+    for name in sequence:
+        assert torch.equal(same[name], sequence[name]), name
+    both, _ = grads_after_one_step(model64, with_turns(batch, [[a, b] for a, b in
+                                                               zip(adv, second)]), 64, pad)
+    first, _ = grads_after_one_step(model64, with_turns(batch, [[a, 0] for a in adv]), 64, pad)
+    later, _ = grads_after_one_step(model64, with_turns(batch, [[0, b] for b in second]), 64,
+                                    pad)
+    for name in both:
+        scale = float(both[name].abs().max())
+        torch.testing.assert_close(first[name] + later[name], both[name], rtol=1e-5,
+                                   atol=1e-6 * scale)
+        if scale > 0:
+            assert not torch.equal(both[name], sequence[name]), name
+
+
+def test_turn_advantages_must_match_the_turns(model64, tokenizer, batch):
+    table = with_turns(batch, [[1.0]] * batch.num_rows)
+    with pytest.raises(ValueError, match="2 generated turns but 1 turn advantages"):
+        grads_after_one_step(model64, table, 64, tokenizer.pad_token_id)

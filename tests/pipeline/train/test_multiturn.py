@@ -3,6 +3,7 @@ return garbage end their own episodes, counted in the metrics, and the run compl
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -49,5 +50,40 @@ def test_environment_config_is_checked():
         Config(environment="nope")
     with pytest.raises(ConfigError, match="max_turns"):
         Config(environment="python", max_turns=0)
+    with pytest.raises(ConfigError, match="turn_credit = 'return_to_go' credits the turns"):
+        Config(turn_credit="return_to_go")  # no environment: no turns
+    with pytest.raises(ConfigError, match="turn_credit = 'turn'"):
+        Config(environment="python", turn_credit="turn")
     assert Config(task="tally-tool").episode_environment == "tally-tool"
     assert Config().episode_environment == ""
+
+
+def test_turn_credit_reaches_the_trainer(tiny_model_dir, tmp_path):
+    """``turn_credit = "return_to_go"``: every trained row has one turn advantage per run of
+    generated tokens, the first its sequence advantage (turn 0's return is the episode's
+    reward), the second GRPO of the second turn's reward among the group's second turns."""
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), iterations=1,
+                 environment="episode_envs:Graded", env_kwargs={"turns": 2},
+                 step_cut_turns=True, batch_prompts=4, n_samples=4,
+                 heldout_prompts=4, max_turns=2, max_turn_tokens=8, max_episode_tokens=60,
+                 eval_every=1, gen_workers=1, train_threads=1, policy="static",
+                 turn_credit="return_to_go")
+    run = train(cfg, progress=False, log=lambda *_: None)
+    table = pq.read_table(run.path / "rollouts" / "iter-00001.parquet").to_pylist()
+    assert len(table) == 16
+    for row in table:
+        mask = row["loss_mask"]
+        runs = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] != 1))
+        assert len(row["turn_advantage"]) == runs
+        if runs == row["turns"]:
+            assert row["turn_advantage"][0] == pytest.approx(row["advantage"], abs=1e-6)
+    assert all(len(r["turn_rewards"]) == 2 == len(r["turn_advantage"]) for r in table)
+    for group in {r["prompt_id"] for r in table}:
+        rows = [r for r in table if r["prompt_id"] == group]
+        second = np.array([r["turn_rewards"][1] for r in rows])
+        want = (second - second.mean()) / (second.std(ddof=1) + 1e-6) if np.ptp(second) else \
+            np.zeros(len(rows))
+        assert [r["turn_advantage"][1] for r in rows] == pytest.approx(want, abs=1e-5)
+    assert any(r["turn_advantage"][1] != 0 for r in table)
+    iteration = next(m for m in run.metrics() if m.get("event") == "iteration")
+    assert iteration["tokens"] > 0
