@@ -17,12 +17,12 @@ the driver can refuse it in one line before anything starts (``pipeline/train/in
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from functools import partial
 
 from .adapters import ENVIRONMENT_ADAPTERS, LIBRARY_PREFIX, adapter_of
 from .adapters.gymnasium import GymnasiumEnv, gymnasium_style
+from .adapters.library import import_class
 from .adapters.openenv import OpenEnvEnv, openenv_class
 from .env import BUILTIN_ENVIRONMENTS, Environment
 
@@ -35,7 +35,12 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
     if adapter is not None:
         cls, ident = adapter
         return partial(cls, ident)
-    cls = import_class(name, BUILTIN_ENVIRONMENTS.get(name, name))
+    target = BUILTIN_ENVIRONMENTS.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)}, "
+                         f"'<library>:<id>' ({', '.join(sorted(ENVIRONMENT_ADAPTERS))}) or "
+                         "'package.module:Class'")
+    cls = import_class(name, target)
     if openenv_class(cls):
         return partial(OpenEnvEnv, cls)
     library = cls.__module__.split(".")[0]
@@ -50,18 +55,3 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
                          "'skyrl-gym:<id>' / 'textarena:<env id>')")
     return partial(GymnasiumEnv, cls) if gymnasium_style(cls) else cls
 
-
-def import_class(name: str, target: str) -> type:
-    """The class ``target`` (``"package.module:Class"``) names; ``name`` is the configured
-    environment, for the messages."""
-    module, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"environment {name!r}: not one of {sorted(BUILTIN_ENVIRONMENTS)}, "
-                         f"'<library>:<id>' ({', '.join(sorted(ENVIRONMENT_ADAPTERS))}) or "
-                         "'package.module:Class'")
-    cls = getattr(importlib.import_module(module), attr, None)
-    if cls is None:
-        raise ValueError(f"environment {name!r}: module {module!r} has no {attr!r}")
-    if not isinstance(cls, type):
-        raise ValueError(f"environment {name!r} is a {type(cls).__name__}, not a class")
-    return cls

@@ -26,6 +26,7 @@ import typing
 from typing import Any
 
 from ..env import Environment, StepResult, row_seed
+from .library import import_class
 
 OBSERVATION_BASE = ("done", "reward", "metadata")  # every OpenEnv Observation's own fields
 
@@ -78,8 +79,6 @@ def observation_text(observation: Any) -> str:
 class OpenEnvEnv(Environment):
     def __init__(self, make: str | type, **env_kwargs) -> None:
         if isinstance(make, str):
-            from ..resolve import import_class  # resolve imports this module
-
             make = import_class(f"openenv:{make}", make)
             if not openenv_class(make):
                 raise ValueError(f"environment 'openenv:{make.__module__}:"
