@@ -235,17 +235,23 @@ def test_gymnasium_env_by_id_and_by_class():
         resolve_environment("gymnasium:gym_envs:rlhfless-test/Guess-v0")(colour="red")
 
 
+def play_seeded(model, tok, env: str) -> tuple[pa.Table, dict[str, int]]:
+    """Two prompts with seeds 21 and 22, two episodes each, played in ``env`` without an
+    environment error; returns the table and each prompt_id's seed."""
+    source = [{"prompt": text, "answer": "", "seed": s} for s, text in zip((21, 22), TEXTS)]
+    prompts = read_prompts(pa.Table.from_pylist(source), tok).table
+    table, _ = play(model, tok, prompts, env=env, n=2, max_turns=4, max_turn_tokens=24,
+                    max_episode_tokens=180, step_cut_turns=True)
+    assert table.column("env_error").null_count == len(table), table.column("env_error")
+    return table, {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+
+
 def test_gymnasium_episodes_replay_in_the_library(model64, turn_tokenizer):  # noqa: F811
     library("gymnasium")
     import gym_envs
 
-    source = [{"prompt": text, "answer": "", "seed": s} for s, text in zip((21, 22), TEXTS)]
-    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
-    table, _ = play(model64, turn_tokenizer, prompts,
-                    env="gymnasium:gym_envs:rlhfless-test/Guess-v0", n=2, max_turns=4,
-                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True)
-    assert table.column("env_error").null_count == len(table), table.column("env_error")
-    seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+    table, seeds = play_seeded(model64, turn_tokenizer,
+                               "gymnasium:gym_envs:rlhfless-test/Guess-v0")
     hinted = 0
     for row in table.to_pylist():
         own = gym_envs.Guess()
@@ -360,13 +366,7 @@ def test_openenv_episodes_replay_in_the_library(model64, turn_tokenizer):  # noq
     library("openenv")
     import openenv_envs
 
-    source = [{"prompt": text, "answer": "", "seed": s} for s, text in zip((21, 22), TEXTS)]
-    prompts = read_prompts(pa.Table.from_pylist(source), turn_tokenizer).table
-    table, _ = play(model64, turn_tokenizer, prompts,
-                    env="openenv:openenv_envs:GuessEnvironment", n=2, max_turns=4,
-                    max_turn_tokens=24, max_episode_tokens=180, step_cut_turns=True)
-    assert table.column("env_error").null_count == len(table), table.column("env_error")
-    seeds = {f"table:{i}": s["seed"] for i, s in enumerate(source)}
+    table, seeds = play_seeded(model64, turn_tokenizer, "openenv:openenv_envs:GuessEnvironment")
     for row in table.to_pylist():
         own = openenv_envs.GuessEnvironment()
         first = own.reset(seed=seeds[row["prompt_id"]]).hint
