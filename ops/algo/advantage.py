@@ -89,7 +89,7 @@ def turn_advantages(trainable: pa.Table, *, eps: float = 1e-6, scale: bool = Tru
     slots, returns, owner = [], [], []  # per credited turn: its slot, G_k, (row, k)
     n_runs = []
     for row, (mask, rewards) in enumerate(zip(masks, steps)):
-        runs = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] != 1))
+        runs = count_turns(turn_of_tokens(mask))
         n_runs.append(runs)
         if runs != turns[row]:  # turns that touch: no split by turn
             continue
@@ -108,6 +108,21 @@ def turn_advantages(trainable: pa.Table, *, eps: float = 1e-6, scale: bool = Tru
         for (row, k), value in zip(owner, credited):
             out[row][k] = float(value)
     return pa.array(out, pa.list_(pa.float32()))
+
+
+def turn_of_tokens(mask: list[int]) -> list[int]:
+    """Per token of a ``loss_mask``, the index of the run of generated tokens (1s) it is in or
+    comes after; -1 before the first."""
+    out, turn = [], -1
+    for i, m in enumerate(mask):
+        turn += m == 1 and (i == 0 or mask[i - 1] != 1)
+        out.append(turn)
+    return out
+
+
+def count_turns(turn_of: list[int]) -> int:
+    """The number of runs of generated tokens, from ``turn_of_tokens``."""
+    return turn_of[-1] + 1 if turn_of else 0
 
 
 def grpo_advantages(

@@ -49,6 +49,7 @@ import torch
 
 from ..data.schema import TRAINABLE, check_columns
 from ..engine.forward import backward_logprobs, chunk_passes, response_logprobs
+from .advantage import count_turns, turn_of_tokens
 from .loss import LossParams, policy_loss
 from .parallel import (
     Ranks,
@@ -151,13 +152,11 @@ def token_advantages(trainable: pa.Table,
     out = []
     for row, (mask, per_turn) in enumerate(zip(masks, trainable.column("turn_advantage")
                                                .to_pylist())):
-        turn = [-1]  # per token, the run of generated tokens it is in
-        for i, m in enumerate(mask):
-            turn.append(turn[-1] + (m == 1 and (i == 0 or mask[i - 1] != 1)))
-        if turn[-1] + 1 != len(per_turn):
-            raise ValueError(f"update_policy: row {row} has {turn[-1] + 1} generated turns "
-                             f"but {len(per_turn)} turn advantages")
-        out.append([per_turn[k] if m == 1 else 0.0 for k, m in zip(turn[1:], mask)])
+        turn = turn_of_tokens(mask)
+        if count_turns(turn) != len(per_turn):
+            raise ValueError(f"update_policy: row {row} has {count_turns(turn)} generated "
+                             f"turns but {len(per_turn)} turn advantages")
+        out.append([per_turn[k] if m == 1 else 0.0 for k, m in zip(turn, mask)])
     return out
 
 

@@ -54,4 +54,3 @@ def resolve_environment(name: str) -> Callable[..., Environment]:
                          "Environment; skyrl-gym and TextArena classes go by "
                          "'skyrl-gym:<id>' / 'textarena:<env id>')")
     return partial(GymnasiumEnv, cls) if gymnasium_style(cls) else cls
-

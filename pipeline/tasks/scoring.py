@@ -51,9 +51,6 @@ def reward_task(rollouts: Generated, spec: RewardSpec) -> Generated:
                                      fallback=spec.fallback))
 
 
-TURN_CREDITS = ("episode", "return_to_go")
-
-
 def advantage_task(scored: Generated, algorithm: str, n_samples: int,
                    turn_credit: str = "episode") -> Generated:
     """The scored rows with their ``advantage``, beside the same statistics; with
