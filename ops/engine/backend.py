@@ -228,13 +228,14 @@ def engine_class(name: str) -> type[GenerationBackend]:
 
 def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
                  colocate: bool = False, lora: LoraSpec | None = None,
-                 dtype: str = "auto", gpu_memory_utilization: float = 0.15) -> GenerationBackend:
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.15,
+                 ram_bytes: int | None = None) -> GenerationBackend:
     """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
     engine shares its device with the trainer and sleeps between rollouts (vllm); ``dtype``:
     the engine's weights (one of ``DTYPES``); ``gpu_memory_utilization``: the share of the
-    device's memory a vllm engine takes (on CPU: of the RAM)."""
+    device's memory a vllm engine takes (on CPU: of the RAM, at most ``ram_bytes``)."""
     cls = engine_class(name)
     if cls is HFBackend:
         return HFBackend(model_path, device, threads, lora, dtype)
     return cls(model_path, colocate=colocate, dtype=dtype, threads=threads,
-               gpu_memory_utilization=gpu_memory_utilization)
+               gpu_memory_utilization=gpu_memory_utilization, ram_bytes=ram_bytes)

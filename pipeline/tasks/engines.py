@@ -41,3 +41,22 @@ def worker_name() -> str:
         return str(get_worker().name)
     except ValueError:  # called outside a worker (tests, the sync scheduler)
         return "local"
+
+
+# of its memory limit, what a CPU engine's worker process may grow to below the point where
+# Dask pauses the worker: what generation allocates after the engine's load
+ENGINE_RAM_MARGIN = 0.1
+
+
+def engine_ram_bytes() -> int | None:
+    """The bytes a CPU engine's worker process may hold once its engine is loaded: its Dask
+    memory limit times the pause fraction less ``ENGINE_RAM_MARGIN``. A worker past its
+    pause fraction starts no task, and the run would wait for it forever. None outside a
+    worker, or where the worker has no limit or never pauses."""
+    try:
+        memory = get_worker().memory_manager
+    except ValueError:
+        return None
+    if not memory.memory_limit or not memory.memory_pause_fraction:
+        return None
+    return int(memory.memory_limit * (memory.memory_pause_fraction - ENGINE_RAM_MARGIN))

@@ -26,7 +26,7 @@ from rlhfless.ops.engine.publish import WeightsRef, require_version
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 
-from .engines import EngineSpec, worker_name
+from .engines import EngineSpec, engine_ram_bytes, worker_name
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def generation_engine(spec: EngineSpec,
     if engine is None:
         engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
                               colocate=spec.colocate, lora=spec.lora, dtype=spec.dtype,
-                              gpu_memory_utilization=spec.gpu_memory_utilization)
+                              gpu_memory_utilization=spec.gpu_memory_utilization,
+                              ram_bytes=engine_ram_bytes())
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds

@@ -119,3 +119,31 @@ def test_elastic_multi_turn_run_on_vllm(tiny_model_dir, tmp_path):
                  (run.path / "decisions.jsonl").read_text().splitlines()]
     assert {d["kind"] for d in decisions} >= {"scale"}
     assert vllm_processes() == []
+
+
+def _memory_state(dask_worker) -> tuple[str, float]:
+    memory = dask_worker.memory_manager
+    rss = psutil.Process().memory_info().rss
+    return dask_worker.status.name, rss / (memory.memory_limit * memory.memory_pause_fraction)
+
+
+def test_a_vllm_engine_stays_below_its_workers_pause_fraction(tiny_model_dir):
+    """vLLM's CPU engine takes ``gpu_memory_utilization`` of the machine's RAM (0.15 of 24
+    GiB is 3.6 GiB here), more than a 3 GiB worker holds below Dask's pause fraction (80 %):
+    a paused worker starts no task and the run waits forever. The engine is capped at what
+    its worker may hold (``engine_ram_bytes``): after a generation the worker runs, under
+    its pause fraction, and takes the next task."""
+    from rlhfless.pipeline.tasks.rollout import generate_chunk_task
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shard = read_prompts(tiny_model_dir / "train.jsonl", tok).table.slice(0, 2)
+    spec = GenSpec(EngineSpec(str(tiny_model_dir), backend="vllm", dtype="float32"), 2,
+                   SamplingParams(max_new_tokens=8, seed=1))
+    weights = WeightsRef(0, str(tiny_model_dir))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit="3GiB",
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        for key in ("a", "b"):  # the second task starts only on a worker that is not paused
+            client.submit(generate_chunk_task, shard, weights, spec, 1, 1.0, key,
+                          pure=False).result(timeout=120)
+        ((status, share),) = client.run(_memory_state).values()
+    assert status == "running" and share < 1, (status, share)
