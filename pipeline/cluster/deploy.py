@@ -71,6 +71,10 @@ class Pool:
     memory: str = "4GiB"
     gpus: int = 0  # GPUs per worker: a batch job asks for them (--gres=gpu:N / ngpus=N)
     directives: tuple[str, ...] = ()  # extra batch-job directives of this pool
+    # modules every worker imports before it registers (Dask's ``preload``): the pool's task
+    # code, so that its worker process imports torch and transformers while the other pools'
+    # workers do, not when its first task arrives
+    preload: tuple[str, ...] = ()
 
 
 def scheduler_http(dashboard: bool) -> AbstractContextManager:
@@ -105,9 +109,17 @@ class PoolScaling:
 
     def scale_pool(self, pool: str, n: int) -> list[str]:
         """Grow ``pool`` to ``n`` workers (never shrinks it); returns the new names."""
+        return self.scale_pools({pool: n})
+
+    def scale_pools(self, sizes: Mapping[str, int]) -> list[str]:
+        """Grow each pool of ``sizes`` to its count (never shrinks one) in one ``scale``, so
+        that their workers start together: SpecCluster opens the workers of one ``scale``
+        concurrently, but a second ``scale`` waits for the first one's workers to start
+        (their imports and preloads). Returns the new names."""
         before = set(self.worker_spec)
         self._wanted = {p: len(self.pool_members(p)) for p in self.pool_specs}
-        self._wanted[pool] = max(n, self._wanted[pool])
+        for pool, n in sizes.items():
+            self._wanted[pool] = max(n, self._wanted[pool])
         self.scale(sum(self._wanted.values()))
         return sorted(set(self.worker_spec) - before)
 
@@ -181,6 +193,7 @@ class LocalDeployment(Deployment):
             "memory_limit": pool.memory,
             "silence_logs": logging.WARNING,
             "env": {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV},
+            "preload": list(pool.preload),
         }}
 
     def describe(self, cluster: SpecCluster, names: list[str]) -> str:
@@ -256,7 +269,8 @@ class JobQueueDeployment(Deployment):
         s = self.settings
         lifetime, stagger = self.lifetime()
         resources = ",".join(f"{k}={v:g}" for k, v in sorted(pool.resources.items()))
-        worker_args = ["--lifetime", lifetime, "--lifetime-stagger", stagger]
+        worker_args = ["--lifetime", lifetime, "--lifetime-stagger", stagger,
+                       *(arg for module in pool.preload for arg in ("--preload", module))]
         if resources:
             worker_args = ["--resources", resources, *worker_args]
         env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV, **MALLOC_ENV}

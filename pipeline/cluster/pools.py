@@ -30,17 +30,21 @@ from rlhfless.schedulers.ledger import CostLedger
 from ..config import Config
 from .deploy import Deployment, LocalDeployment, Pool
 
+GEN_TASKS = "rlhfless.pipeline.tasks.rollout"  # the generation pool's task module
+TRAIN_TASKS = "rlhfless.pipeline.tasks.trainer"  # the trainer's
 ADAPT_INTERVAL_S = 1.0  # Adaptive's periodic check; scale() does not wait for it
 
 
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
     """The generation pool and the trainer (``train_workers`` ranks); an elastic generation
-    pool starts with one worker and grows as the policy decides."""
+    pool starts with one worker and grows as the policy decides. Each pool's worker imports
+    its task module as it starts (``Pool.preload``)."""
     return [
         Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
-             cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives)),
+             cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives),
+             preload=(GEN_TASKS,)),
         Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
-             cfg.train_gpus, tuple(cfg.train_job_directives)),
+             cfg.train_gpus, tuple(cfg.train_job_directives), preload=(TRAIN_TASKS,)),
     ]
 
 
@@ -67,8 +71,7 @@ class PoolCluster:
         self.adaptive = self.cluster.adapt(Adaptive=PoolAdaptive, pool=adaptive_pool,
                                            interval=ADAPT_INTERVAL_S, wait_count=1)
         try:
-            names = [n for pool in pools for n in self.grow(pool.name, pool.size, wait=False)]
-            self.wait_for(names)
+            self.wait_for(self.start({p.name: p.size for p in pools}))
         except BaseException:
             self.close()
             raise
@@ -122,15 +125,21 @@ class PoolCluster:
         if pool == self.adaptive_pool and wait:
             before = self.worker_names(pool)
             return [w for w in self.scale(pool, len(before) + n) if w not in before]
-        names = self.cluster.scale_pool(pool, len(self.worker_names(pool)) + n)
-        requested = time.time()
-        for name in names:
-            self.ledger.worker_started(name, pool, requested)
-        if pool == self.adaptive_pool:
-            self.client.run_on_scheduler(set_pool_target, pool=pool,
-                                         n=len(self.worker_names(pool)))
+        names = self.start({pool: len(self.worker_names(pool)) + n})
         if wait and names:
             self.wait_for(names)
+        return names
+
+    def start(self, sizes: dict[str, int]) -> list[str]:
+        """Request workers so that each pool of ``sizes`` has its count, all at once (their
+        processes start together), billed from now; returns their names, not waited for."""
+        names = self.cluster.scale_pools(sizes)
+        requested = time.time()
+        for name in names:
+            self.ledger.worker_started(name, pool_of(name), requested)
+        if self.adaptive_pool in sizes:
+            self.client.run_on_scheduler(set_pool_target, pool=self.adaptive_pool,
+                                         n=len(self.worker_names(self.adaptive_pool)))
         return names
 
     def wait_for(self, names: list[str]) -> None:
