@@ -231,13 +231,16 @@ def _static_generation(pc: PoolCluster, cfg: Config, batch: pa.Table, weights, i
 
 
 def _uncovered(stream: list[dict], t0: float, t1: float) -> float:
-    """Wall seconds of [t0, t1] during which no emulated task was computing."""
+    """Wall seconds of [t0, t1] during which no emulated task was computing. A span is
+    clipped to the window; one that ends up empty (the scheduler shifts a worker's times by
+    its estimated clock offset, so a span may start after ``t1`` or stop before ``t0``)
+    covers nothing."""
     spans = sorted((max(s["start"], t0), min(s["stop"], t1)) for task in stream
                    if stage_of(task["key"]) in EMULATED_STAGES
                    for s in task["startstops"] if s["action"] == "compute")
     covered, end = 0.0, t0
     for a, b in spans:
-        if b > end:
+        if b > max(a, end):
             covered += b - max(a, end)
             end = b
     return (t1 - t0) - covered

@@ -9,9 +9,11 @@ import pytest
 
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import ConfigError, make_config
+from rlhfless.pipeline.task_keys import task_key
 from rlhfless.pipeline.train.emulated import (
     QUIET_WORKER_CONFIG,
     EmulatedDeployment,
+    _uncovered,
     as_live,
     run_emulated,
     simulator_policy,
@@ -98,3 +100,16 @@ def test_generation_workers_run_dasks_diagnostics_at_a_low_rate():
 def test_train_refuses_the_emulated_backend():
     with pytest.raises(ConfigError, match="emulated"):
         check_inputs(_config("static"))
+
+
+def _computed(stage: str, *spans: tuple[float, float]) -> dict:
+    return {"key": task_key(stage, 1, 0), "startstops": [
+        {"action": "compute", "start": a, "stop": b} for a, b in spans]}
+
+
+def test_uncovered_time_counts_only_the_window():
+    """Spans clipped to [t0, t1]; one wholly outside (a worker's times shifted by its clock
+    offset) covers nothing, overlaps count once, other stages not at all."""
+    stream = [_computed("generate", (1.0, 3.0), (2.0, 4.0)), _computed("update", (11.0, 12.0)),
+              _computed("update", (-2.0, -1.0)), _computed("reward", (5.0, 9.0))]
+    assert _uncovered(stream, 0.0, 10.0) == pytest.approx(10.0 - 3.0)
