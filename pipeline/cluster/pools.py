@@ -184,7 +184,9 @@ class PoolCluster:
         worker that leaves without being retired (it crashed, or the batch system ended it)
         stops billing when the scheduler saw it go; a batch job that ended leaves its pool
         (the policy grows the pool again if it needs to), a crashed local worker is
-        restarted by its nanny (billed again from its arrival)."""
+        restarted by its nanny at once, a new lifetime billed from then (its cold start
+        included, even if the run ends before it is back). A retired worker has left the
+        cluster's plan before it departs: its departure ends its billing only."""
         ended = []
         for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
@@ -194,7 +196,11 @@ class PoolCluster:
                 self.ledger.worker_ready(name, t)
             elif kind == "depart" and name in self.ledger.running():
                 self.ledger.worker_stopped(name, t)
-                if not self.deployment.restarts_workers and name in self.cluster.worker_spec:
+                if name not in self.cluster.worker_spec:
+                    continue
+                if self.deployment.restarts_workers:
+                    self.ledger.worker_started(name, pool_of(name), t)
+                else:
                     ended.append(name)
         if ended:
             self.cluster.sync(self.cluster.scale_down, ended)
