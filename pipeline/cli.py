@@ -121,9 +121,9 @@ def config_of(args: argparse.Namespace):
 
 
 def train_command(args: argparse.Namespace) -> int:
+    cfg = config_of(args)  # a bad key is said before torch and the training loop load
     from .train.loop import train
 
-    cfg = config_of(args)
     run = train(cfg, overwrite=args.overwrite, progress=not args.no_progress,
                 resume=bool(args.resume))
     evals = [m for m in run.metrics() if m.get("event") == "eval"]

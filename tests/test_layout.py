@@ -94,7 +94,8 @@ def loads_torch(code: str) -> bool:
 
 
 def test_the_command_line_loads_no_torch_for_help_config_and_report(tmp_path):
-    """``--help``, ``config`` (listing and examples), config loading and ``report``."""
+    """``--help``, ``config`` (listing and examples), config loading, ``train`` with a bad
+    key, and ``report``."""
     assert not loads_torch("import rlhfless.pipeline.cli")
     assert not loads_torch("from rlhfless.pipeline.cli import main\n"
                            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass")
@@ -103,6 +104,8 @@ def test_the_command_line_loads_no_torch_for_help_config_and_report(tmp_path):
                                f"assert main({argv!r}) == 0")
     assert not loads_torch("from rlhfless.pipeline.config import load_config\n"
                            "load_config(None, ['iterations=2'])")
+    assert not loads_torch("from rlhfless.pipeline.cli import main\n"  # a bad key: one line
+                           "assert main(['train', '--set', 'run_dir=x']) == 2")
     run = ROOT / "tests" / "data" / "recorded_run"  # a real run directory, read only
     assert not loads_torch("from rlhfless.pipeline.cli import main\n"
                            f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path)!r}]) == 0")
