@@ -22,35 +22,20 @@ require_vllm()
 TASK_TIMEOUT_S = 180  # a task on a paused worker never starts: fail instead of waiting
 
 
-def test_a_vllm_run_learns_its_steps_and_leaves_no_process(tiny_model_dir, tmp_path):
+def test_a_vllm_run_in_async_replay_keeps_both_bounds_and_leaves_no_process(tiny_model_dir,
+                                                                             tmp_path):
+    """A whole run on two vLLM workers in both modes at once: batch i+1 generated while
+    update i runs, part of each from the replay buffer; fresh rows lag at most
+    max_staleness versions; every iteration evaluated; no process outlives the run."""
     from rlhfless.pipeline.config import Config
     from rlhfless.pipeline.train.loop import train
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm", iterations=2,
-                 batch_prompts=8, n_samples=3, max_new_tokens=16, heldout_prompts=8,
-                 eval_every=1, backend="vllm", gen_workers=2, train_threads=1)
-    run = train(cfg, progress=False, log=lambda *_: None)
-    records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "heldout_accuracy" in r]
-    assert len(steps) >= 2, records[-3:]
-    assert vllm_processes() == []
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
-    assert left == []
-
-
-def test_async_replay_on_vllm_keeps_both_bounds(tiny_model_dir, tmp_path):
-    """Both modes at once on vLLM: batch i+1 generated while update i runs, part of each
-    from the replay buffer; fresh rows lag at most max_staleness versions."""
-    from rlhfless.pipeline.config import Config
-    from rlhfless.pipeline.train.loop import train
-
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="vllm-modes",
                  backend="vllm", mode="async+replay", iterations=3, batch_prompts=6,
                  n_samples=4, max_new_tokens=8, max_staleness=1, replay_ratio=0.5,
-                 replay_max_age=3, heldout_prompts=4, eval_every=100, checkpoint_every=100,
-                 gen_workers=1, train_threads=1, rewards={"tally": "parity_reward:parity"})
+                 replay_max_age=3, heldout_prompts=4, eval_every=1, checkpoint_every=100,
+                 gen_workers=2, train_threads=1, rewards={"tally": "parity_reward:parity"})
     run = train(cfg, progress=False, log=lambda *_: None)
     records = [m for m in run.metrics() if m.get("event") == "iteration"]
     assert [m["generated_by"] for m in records] == [0, 0, 1]
@@ -58,7 +43,12 @@ def test_async_replay_on_vllm_keeps_both_bounds(tiny_model_dir, tmp_path):
         assert m["policy_version"] == m["iteration"] - 1
         assert m["staleness_max"] <= cfg.replay_max_age
     assert sum(m["replayed_groups"] for m in records) > 0
+    evals = [m["iteration"] for m in run.metrics() if m.get("event") == "eval"]
+    assert evals == [0, 1, 2, 3]
     assert vllm_processes() == []
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert left == []
 
 
 def _pairs(table) -> list[tuple[str, int]]:
