@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 from distributed import Client, LocalCluster
 from transformers import AutoTokenizer
 from vllm_support import require_vllm, vllm_processes
@@ -104,6 +105,7 @@ def test_a_tail_cut_on_one_vllm_worker_resumes_there_or_continues_on_another(tin
     assert vllm_processes() == []
 
 
+@pytest.mark.slow  # the engine's episodes and chunk tasks on vLLM: the tests above, in CI
 def test_elastic_multi_turn_run_on_vllm(tiny_model_dir, tmp_path):
     """The elastic policy sizing a pool of vLLM engines that play multi-turn episodes (the
     tally task's lookup environment): both iterations run their episodes, the pool's
