@@ -120,6 +120,7 @@ class VLLMBackend(GenerationBackend):
             "enable_sleep_mode": colocate,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": WEIGHT_LOADER,
+            # vLLM takes the share of its NUMA node, at most the machine: the cap holds
             "gpu_memory_utilization": gpu_memory_utilization if on_cuda or ram_bytes is None
             else min(gpu_memory_utilization, ram_bytes / psutil.virtual_memory().total),
             "dtype": "float32" if dtype == "auto" and not on_cuda else dtype,

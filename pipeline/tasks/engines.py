@@ -43,8 +43,8 @@ def worker_name() -> str:
         return "local"
 
 
-# of its memory limit, what a CPU engine's worker process may grow to below the point where
-# Dask pauses the worker: what generation allocates after the engine's load
+# the share of a worker's memory limit kept free below Dask's pause fraction for what
+# generation allocates after a CPU engine's load
 ENGINE_RAM_MARGIN = 0.1
 
 

@@ -240,8 +240,9 @@ def _uncovered(stream: list[dict], t0: float, t1: float) -> float:
                    for s in task["startstops"] if s["action"] == "compute")
     covered, end = 0.0, t0
     for a, b in spans:
-        if b > max(a, end):
-            covered += b - max(a, end)
+        start = max(a, end)  # what an earlier span has not covered yet
+        if b > start:
+            covered += b - start
             end = b
     return (t1 - t0) - covered
 
