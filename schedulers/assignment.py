@@ -17,6 +17,13 @@ Why tokens, and why contiguous:
   ``a * l_max`` term and hold fewer groups. Workers are released as they finish, so early
   finishers cost nothing more; choosing how many workers to pay for is ``scaling.py``'s job.
 
+Episodes that spend time outside the model (environment calls, an agent's own code) hold
+their worker longer than their tokens say. ``group_work`` then ranks and balances each
+group's predicted seconds per sample instead, its tokens at the decode step's seconds plus
+its predicted seconds outside the model, so the groups whose episodes wait long get runs of
+their own, spread across workers rather than piled on one; without such seconds it is the
+predicted tokens themselves, and the assignment is exactly the length one.
+
 Worker 0 always gets the longest groups, which is where ``scaling.py`` puts already-warm
 workers. ``balanced_starts`` evaluates the same split for many worker counts at once; the
 scaling policy uses it so that its candidates and the executed assignment agree exactly.
@@ -27,14 +34,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def _check_lengths(pred_lengths: np.ndarray, where: str) -> np.ndarray:
+def _check_lengths(pred_lengths: np.ndarray, where: str,
+                   name: str = "pred_lengths") -> np.ndarray:
     pred = np.asarray(pred_lengths, dtype=np.float64)
     if pred.ndim != 1:
-        raise ValueError(f"{where}: pred_lengths has shape {pred.shape}; expected [n_groups]")
+        raise ValueError(f"{where}: {name} has shape {pred.shape}; expected [n_groups]")
     if pred.size and (not np.all(np.isfinite(pred)) or pred.min() < 0):
         bad = int(np.flatnonzero(~np.isfinite(pred) | (pred < 0))[0])
         raise ValueError(
-            f"{where}: pred_lengths[{bad}] = {pred[bad]!r}; lengths must be finite and >= 0"
+            f"{where}: {name}[{bad}] = {pred[bad]!r}; values must be finite and >= 0"
         )
     return pred
 
@@ -43,6 +51,25 @@ def _check_workers(n_workers: int, where: str) -> int:
     if int(n_workers) != n_workers or n_workers < 1:
         raise ValueError(f"{where}: n_workers={n_workers!r}; allowed: an integer >= 1")
     return int(n_workers)
+
+
+def group_work(pred_lengths: np.ndarray, pred_env_seconds: np.ndarray | None,
+               step_seconds: float) -> np.ndarray:
+    """What the assignment ranks and balances, per group: ``pred_lengths`` (response tokens
+    per sample) as they are when no episode is predicted any time outside the model
+    (``pred_env_seconds`` None or all 0); else each sample's predicted seconds, its tokens
+    at ``step_seconds`` a decode step (one token of a sequence) plus its predicted seconds
+    outside the model (``LengthPredictor.predict_env``)."""
+    pred = _check_lengths(pred_lengths, "group_work")
+    if pred_env_seconds is None:
+        return pred
+    env = _check_lengths(pred_env_seconds, "group_work", "pred_env_seconds")
+    if env.shape != pred.shape:
+        raise ValueError(f"group_work: pred_env_seconds has shape {env.shape}; expected "
+                         f"{pred.shape}, one per group")
+    if not env.any():
+        return pred
+    return pred * step_seconds + env
 
 
 def length_order(pred_lengths: np.ndarray) -> np.ndarray:
@@ -87,7 +114,9 @@ def assign_by_length(pred_lengths: np.ndarray, n_workers: int) -> list[np.ndarra
     """Split groups into ``n_workers`` contiguous runs of the length ranking, tokens balanced.
 
     ``pred_lengths``: [n_groups] predicted response tokens per sample of each group (the
-    group's work is proportional, all groups having the same ``n_samples``). Returns one
+    group's work is proportional, all groups having the same ``n_samples``), or each
+    sample's predicted seconds where episodes spend time outside the model (``group_work``:
+    then the runs are of that ranking, seconds balanced). Returns one
     int64 array of group indices per worker, longest groups on worker 0, each array in
     ranking order. Every group appears exactly once; when ``n_workers > n_groups`` the
     extra workers get empty arrays.

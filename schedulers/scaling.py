@@ -24,6 +24,12 @@ evaluated candidate by candidate.
 Warm workers take the first runs of the assignment (the longest groups), since they can start
 at once and the cold ones need their cold start before their (shorter) runs. Prefill counts
 each group's prompt once: the samples of a group share its prefix.
+
+Given each group's predicted seconds outside the model (``pred_env_seconds``: environment
+calls, an agent's own code), the assignment ranks and balances each sample's predicted
+seconds (``assignment.group_work``, a token at one decode step of the group's own batch)
+instead of its tokens; the workers' predicted seconds are still their tokens' and prompts'
+plus the throughput model's wait on environments, once per busy worker.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from .assignment import (
     assign_by_length,
     assign_round_robin,
     balanced_starts,
+    group_work,
     length_order,
 )
 from .throughput import ThroughputModel
@@ -114,15 +121,17 @@ def _per_group(name: str, values: np.ndarray | float | None, n_groups: int) -> n
 
 
 def _rows_by_length(
-    pred: np.ndarray, pmax: np.ndarray, ptok: np.ndarray, ns: np.ndarray
+    pred: np.ndarray, work: np.ndarray, pmax: np.ndarray, ptok: np.ndarray, ns: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per (candidate, worker) row: max length, sum of lengths, prompt tokens; plus each row's
-    run start and the ranking. All candidates at once from prefix sums over the ranking."""
+    run start and the ranking by ``work`` (``group_work``). All candidates at once from prefix
+    sums over the ranking."""
     n_groups = pred.size
-    order = length_order(pred)
+    order = length_order(work)
     prefix = np.concatenate([[0.0], np.cumsum(pred[order])])
     prefix_ptok = np.concatenate([[0.0], np.cumsum(ptok[order])])
-    starts = balanced_starts(prefix, ns)  # [R]
+    prefix_work = np.concatenate([[0.0], np.cumsum(work[order])])
+    starts = balanced_starts(prefix_work, ns)  # [R]
     last = np.cumsum(ns) - 1  # row of each candidate's last worker
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:]
@@ -136,13 +145,15 @@ def _rows_by_length(
 
 
 def _rows_generic(
-    pred: np.ndarray, pmax: np.ndarray, ptok: np.ndarray, ns: np.ndarray, assign: Assign
+    pred: np.ndarray, work: np.ndarray, pmax: np.ndarray, ptok: np.ndarray, ns: np.ndarray,
+    assign: Assign
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
-    """The same rows by calling ``assign`` for each candidate; checks each is a partition."""
+    """The same rows by calling ``assign(work, n)`` for each candidate; checks each is a
+    partition."""
     n_groups = pred.size
     maxes, sums, ptoks, plans = [], [], [], []
     for n in ns:
-        runs = [np.asarray(r, dtype=np.int64) for r in assign(pred, int(n))]
+        runs = [np.asarray(r, dtype=np.int64) for r in assign(work, int(n))]
         flat = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
         if len(runs) != n or flat.size != n_groups or np.any(
             np.bincount(flat, minlength=n_groups) != 1
@@ -175,6 +186,7 @@ def choose_generation_workers(
     prompt_tokens: np.ndarray | float | None = None,
     fixed_seconds: float = 0.0,
     fixed_cost_ws: float = 0.0,
+    pred_env_seconds: np.ndarray | None = None,
 ) -> ScalingDecision:
     """Choose how many generation workers to run this iteration, and what each one gets.
 
@@ -182,10 +194,13 @@ def choose_generation_workers(
     response tokens per sample (``LengthPredictor.predict``); ``pred_max_lengths``: [n_groups]
     predicted longest sample (``predict_max``; defaults to ``pred_lengths``, and is raised to
     at least it); ``prompt_tokens``: prompt tokens of each group, prefilled once per group
-    (scalar or [n_groups]; default 0). Candidates are ``min_workers..max_workers``, capped at
+    (scalar or [n_groups]; default 0); ``pred_env_seconds``: [n_groups] predicted seconds
+    outside the model of each of the group's episodes (``predict_env``; None or all 0: the
+    assignment is by tokens alone). Candidates are ``min_workers..max_workers``, capped at
     ``n_groups`` since a group is never split. ``keep_warm`` workers are already running and
-    pay no cold start. ``assign(pred_lengths, n) -> list of n index arrays`` must partition
-    the groups. ``fixed_seconds`` / ``fixed_cost_ws``: the rest of the step (update), added
+    pay no cold start. ``assign(work, n) -> list of n index arrays`` must partition the
+    groups (``work``: ``group_work``, ``pred_lengths`` itself without seconds outside the
+    model). ``fixed_seconds`` / ``fixed_cost_ws``: the rest of the step (update), added
     to every candidate's time and cost before scoring (0: generation alone). Pure: reads
     ``model``, changes nothing.
     """
@@ -204,13 +219,14 @@ def choose_generation_workers(
     for key, val in (("fixed_seconds", fixed_seconds), ("fixed_cost_ws", fixed_cost_ws)):
         _check(key, bool(np.isfinite(val)) and val >= 0, val, "a finite number >= 0")
 
+    work = group_work(pred, pred_env_seconds, float(model.t_step(n_samples)))
     hi = min(int(max_workers), n_groups)
     ns = np.arange(min(int(min_workers), hi), hi + 1)  # [K]
     if assign is assign_by_length:
-        max_len, sum_len, ptoks, starts, order = _rows_by_length(pred, pmax, ptok, ns)
+        max_len, sum_len, ptoks, starts, order = _rows_by_length(pred, work, pmax, ptok, ns)
         plans = None
     else:
-        max_len, sum_len, ptoks, plans = _rows_generic(pred, pmax, ptok, ns, assign)
+        max_len, sum_len, ptoks, plans = _rows_generic(pred, work, pmax, ptok, ns, assign)
     offsets = np.concatenate([[0], np.cumsum(ns)])
     k = np.arange(offsets[-1]) - np.repeat(offsets[:-1], ns)  # [R] worker index in candidate
     busy = (sum_len > 0) | (ptoks > 0) | (max_len > 0)

@@ -9,9 +9,10 @@ a simulated system uses). ``ScalingPolicy`` holds what the policy learns across 
 every decision the elastic pool takes; it knows nothing of Dask, of workers' processes or of
 simulated clocks. Call order, per iteration:
 
-1. ``predict`` the prompts' response lengths, then ``plan`` the pool: how many generation
-   workers and which prompt groups each gets (``choose_generation_workers``: the lowest
-   λ·time + (1-λ)·worker-seconds, warm workers first);
+1. ``predict`` the prompts' response lengths (and ``predict_env`` their episodes' seconds
+   outside the model), then ``plan`` the pool: how many generation workers and which prompt
+   groups each gets (``choose_generation_workers``: the lowest λ·time + (1-λ)·worker-seconds,
+   warm workers first; groups whose episodes wait long spread across workers);
 2. while generation runs: when a worker pauses between chunks (the live runtime pauses its
    chunk at completion ``tau``; the simulator when its live batch falls to ``tail_batch``),
    ``migrate`` says which tails move and where (``plan_migration``: the tails of the fleet
@@ -22,8 +23,9 @@ simulated clocks. Call order, per iteration:
    the predicted gap until its next use, or release it now (break-even keep-alive: idling
    longer than a restart costs more than the restart);
 4. after the iteration: ``observe_iteration``, the one call per iteration that feeds the
-   models what it measured (the lengths; with an elastic pool the shards' decode and prefill
-   timings, the cold starts and the seconds after generation). ``observe_move`` is the one
+   models what it measured (the lengths and seconds outside the model; with an elastic pool
+   the shards' decode and prefill timings, the cold starts and the seconds after
+   generation). ``observe_move`` is the one
    observation taken during the iteration, as each move lands, so that the iteration's later
    moves are priced with it.
 
@@ -127,6 +129,11 @@ class ScalingPolicy:
         """Predicted (mean, max) response tokens of each prompt's group."""
         return self.predictor.predict(prompt_ids), self.predictor.predict_max(prompt_ids)
 
+    def predict_env(self, prompt_ids: Sequence[str]) -> np.ndarray:
+        """Predicted seconds outside the model of each of a prompt's episodes (0 without
+        environments or agents)."""
+        return self.predictor.predict_env(prompt_ids)
+
     def predict_work(self, prompt_ids: Sequence[str], prompt_tokens: ArrayLike,
                      n_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each prompt group's predicted work: (response tokens of its ``n_samples``
@@ -141,18 +148,20 @@ class ScalingPolicy:
     def plan(self, pred_mean: np.ndarray, pred_max: np.ndarray, n_samples: int,
              prompt_tokens: np.ndarray, *, keep_warm: int, max_workers: int,
              min_workers: int = 1, assign: Assign | None = None,
-             rest_workers: float | None = None) -> ScalingDecision:
+             rest_workers: float | None = None,
+             pred_env: np.ndarray | None = None) -> ScalingDecision:
         """This iteration's worker count and assignment. ``rest_workers``: the rest of the
         step (what follows generation, ``update_seconds`` as last seen) is scored with it,
         billed at that many generation workers' worth (the trainer's workers, or GPUs / TP);
-        None: generation alone is scored. See ``choose_generation_workers``."""
+        None: generation alone is scored. ``pred_env``: ``predict_env`` of the groups (None:
+        assigned by length alone). See ``choose_generation_workers``."""
         rest_s = 0.0 if rest_workers is None else self.update_seconds
         decision = choose_generation_workers(
             pred_mean, n_samples, self.throughput, max_workers=max_workers,
             min_workers=min_workers, lambda_cost=self.knobs.lambda_cost, keep_warm=keep_warm,
             assign=assign or self.assign(), pred_max_lengths=pred_max,
             prompt_tokens=prompt_tokens, fixed_seconds=rest_s,
-            fixed_cost_ws=rest_s * (rest_workers or 0.0))
+            fixed_cost_ws=rest_s * (rest_workers or 0.0), pred_env_seconds=pred_env)
         self.planned_generation_s = decision.predicted_seconds
         return decision
 
@@ -224,10 +233,12 @@ class ScalingPolicy:
     # ---- observe -----------------------------------------------------------------------
 
     def observe_iteration(self, prompt_ids: Sequence[str], lengths: Sequence[int],
-                          timings: IterationTimings | None = None) -> dict[str, Any]:
+                          timings: IterationTimings | None = None, *,
+                          env_seconds: Sequence[float] | None = None) -> dict[str, Any]:
         """Everything an iteration measured, once per iteration: its rows' response
-        ``lengths`` (``observe_lengths``: returns the predictor's error on them) and, with an
-        elastic pool, its ``timings`` (a static pool has none to learn from)."""
+        ``lengths`` and ``env_seconds`` (``observe_lengths``: returns the predictor's error
+        on them) and, with an elastic pool, its ``timings`` (a static pool has none to learn
+        from)."""
         if timings is not None:
             self.observe_after_generation(timings.after_generation_s)
             for stats in timings.shards:
@@ -240,14 +251,14 @@ class ScalingPolicy:
                 if stats.episodes is not None:  # multi-turn or agent episodes
                     self.throughput.observe_env_wait(stats.episodes.env_wait_seconds)
             self.observe_cold_starts(timings.cold_starts)
-        return self.observe_lengths(prompt_ids, lengths)
+        return self.observe_lengths(prompt_ids, lengths, env_seconds)
 
-    def observe_lengths(self, prompt_ids: Sequence[str],
-                        lengths: Sequence[int]) -> dict[str, Any]:
-        """The predictor's error on these lengths (predicted before it saw them), then
-        learn them."""
-        error = self.predictor.error(prompt_ids, lengths)
-        self.predictor.observe(prompt_ids, lengths)
+    def observe_lengths(self, prompt_ids: Sequence[str], lengths: Sequence[int],
+                        env_seconds: Sequence[float] | None = None) -> dict[str, Any]:
+        """The predictor's error on these lengths and each sample's seconds outside the
+        model (predicted before it saw them; None: no environment, 0 s), then learn them."""
+        error = self.predictor.error(prompt_ids, lengths, env_seconds)
+        self.predictor.observe(prompt_ids, lengths, env_seconds)
         return error
 
     def observe_after_generation(self, seconds: float) -> None:

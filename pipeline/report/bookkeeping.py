@@ -52,13 +52,16 @@ def evaluate(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Spe
 def observe_iteration(scaling: ScalingPolicy, table: pa.Table,
                       timings: IterationTimings | None) -> dict:
     """Feed the scheduling policy what an iteration measured: the response lengths of its
-    rows ``table`` and, with an elastic pool, its ``timings`` (``ElasticGeneration.
-    after_update``). The one place each driver (``ModeRunner``, ``run_emulated``) calls, once
-    per iteration; returns the predictor's error on the lengths (predicted before it saw
-    them) as ``len_pred_*``."""
+    rows ``table`` (and their ``env_seconds`` where episodes ran, multi-turn or agents) and,
+    with an elastic pool, its ``timings`` (``ElasticGeneration.after_update``). The one place
+    each driver (``ModeRunner``, ``run_emulated``) calls, once per iteration; returns the
+    predictor's error on the lengths (predicted before it saw them) as ``len_pred_*``
+    (``len_pred_*_env``: on the seconds outside the model)."""
     ids = table.column("prompt_id").to_pylist()
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    error = scaling.observe_iteration(ids, lengths, timings)
+    env = (table.column("env_seconds").to_numpy()
+           if "env_seconds" in table.column_names else None)
+    error = scaling.observe_iteration(ids, lengths, timings, env_seconds=env)
     return {f"len_pred_{k}": v for k, v in error.items()}
 
 

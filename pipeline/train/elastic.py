@@ -161,7 +161,8 @@ class ElasticGeneration:
         warm = self.pc.worker_names("gen")
         decision = self.scaling.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
                                     keep_warm=len(warm), max_workers=self.cfg.gen_workers,
-                                    rest_workers=self.rest_workers)  # whole-step scoring
+                                    rest_workers=self.rest_workers,  # whole-step scoring
+                                    pred_env=self.scaling.predict_env(ids))
         n = decision.n_workers
         workers = self.pc.scale("gen", n, close=warm[n:])
         record = {"t": time.time(), "pool": "gen", "kind": "scale", "from": len(warm),

@@ -1,4 +1,5 @@
-"""Assignment: exact partition, contiguous length runs, token balance, round-robin baseline."""
+"""Assignment: exact partition, contiguous length runs, token balance, round-robin baseline,
+groups whose episodes wait long spread."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rlhfless.schedulers.assignment import (
     assign_by_length,
     assign_round_robin,
     balanced_starts,
+    group_work,
     length_order,
 )
 
@@ -63,6 +65,26 @@ def test_zero_predictions_balance_counts():
     assert [r.size for r in assign_by_length(np.zeros(9), 3)] == [3, 3, 3]
 
 
+def test_groups_whose_episodes_wait_long_are_spread_across_workers():
+    pred = np.array([100.0, 90.0, 80.0, 10.0])
+    # by length, groups 1 and 2 share worker 1 (270 tokens, nearest split 100 | 180)
+    assert [r.tolist() for r in assign_by_length(pred, 2)] == [[0], [1, 2, 3]]
+    work = group_work(pred, np.array([0.0, 30.0, 30.0, 0.0]), step_seconds=0.02)
+    np.testing.assert_allclose(work, [2.0, 31.8, 31.6, 0.2])  # seconds per sample
+    assert [r.tolist() for r in assign_by_length(work, 2)] == [[1], [2, 0, 3]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(pred=lengths_st, step_seconds=st.floats(0, 1), n_workers=st.integers(1, 20))
+def test_without_time_outside_the_model_the_work_is_the_lengths(pred, step_seconds, n_workers):
+    pred = np.array(pred)
+    for env in (None, np.zeros(pred.size)):
+        work = group_work(pred, env, step_seconds)
+        assert np.array_equal(work, pred)
+        assert [r.tolist() for r in assign_by_length(work, n_workers)] == [
+            r.tolist() for r in assign_by_length(pred, n_workers)]
+
+
 def test_round_robin_by_hand():
     assert [r.tolist() for r in assign_round_robin(7, 3)] == [[0, 3, 6], [1, 4], [2, 5]]
 
@@ -86,5 +108,9 @@ def test_bad_inputs_say_what_is_allowed():
         assign_by_length(np.array([1.0, -2.0]), 2)
     with pytest.raises(ValueError, match="expected \\[n_groups\\]"):
         assign_by_length(np.ones((2, 2)), 2)
+    with pytest.raises(ValueError, match=r"pred_env_seconds\[0\]"):
+        group_work(np.ones(2), np.array([-1.0, 0.0]), 0.1)
+    with pytest.raises(ValueError, match="one per group"):
+        group_work(np.ones(2), np.ones(3), 0.1)
     with pytest.raises(ValueError, match="1 <= n_workers <= n_groups"):
         balanced_starts(np.array([0.0, 1.0]), np.array([2]))

@@ -1,4 +1,5 @@
-"""LengthPredictor: EWMA values by hand, fallback for unseen prompts, error, state round trip."""
+"""LengthPredictor: EWMA values by hand, fallback for unseen prompts, error, state round trip;
+the same for the episodes' seconds outside the model."""
 
 from __future__ import annotations
 
@@ -41,6 +42,33 @@ def test_unseen_prompts_fall_back_to_default_then_recent_quantile():
     np.testing.assert_allclose(p.predict(["new"]), [600.0])
 
 
+def test_seconds_outside_the_model_are_an_ewma_per_prompt_with_a_recent_fallback():
+    p = LengthPredictor(alpha=0.5, window=3)
+    np.testing.assert_allclose(p.predict_env(["new"]), [0.0])  # nothing observed: 0 s
+    p.observe(["a", "a", "b"], [10, 20, 30], env_seconds=[1.0, 3.0, 8.0])  # a: 2 s, b: 8 s
+    np.testing.assert_allclose(p.predict_env(["a", "b"]), [2.0, 8.0])
+    p.observe(["a", "c"], [10, 10], env_seconds=[6.0, 5.0])  # a: 0.5*6 + 0.5*2 = 4
+    np.testing.assert_allclose(p.predict_env(["a", "c"]), [4.0, 5.0])
+    # an unseen prompt: the median of the last 3 per-prompt observations (8, 6, 5)
+    np.testing.assert_allclose(p.predict_env(["new"]), [6.0])
+    np.testing.assert_allclose(p.predict(["a"]), [12.5])  # lengths learned as before
+    p.observe(["a"], [10])  # no environment: 0 s
+    np.testing.assert_allclose(p.predict_env(["a"]), [2.0])
+    with pytest.raises(ValueError, match="env_seconds value at position 0"):
+        p.observe(["a"], [10], env_seconds=[-1.0])
+
+
+def test_error_scores_the_seconds_outside_the_model_when_given():
+    p = LengthPredictor(alpha=0.5)
+    p.observe(["a", "b"], [100, 200], env_seconds=[2.0, 0.5])
+    err = p.error(["a", "a", "b"], [100, 100, 200], env_seconds=[3.0, 5.0, 0.0])
+    assert err["mae_env"] == pytest.approx((2 + 0.5) / 2)  # actual means a=4, b=0
+    assert err["bias_env"] == pytest.approx((-2 + 0.5) / 2)
+    assert err["mape_env"] == pytest.approx((2 / 4 + 0.5 / 1) / 2)
+    assert not any(k.endswith("_env") for k in p.error(["a"], [100]))
+    assert p.error([], [], env_seconds=[])["mae_env"] is None
+
+
 def test_error_scores_the_prediction_made_before_observing():
     p = LengthPredictor(alpha=0.5)
     p.observe(["a", "b"], [100, 200])
@@ -58,12 +86,27 @@ def test_error_scores_the_prediction_made_before_observing():
 def test_state_dict_round_trips_through_json():
     p = LengthPredictor(alpha=0.3, window=5)
     for it in range(3):
-        p.observe([f"p{i}" for i in range(8) for _ in range(2)], np.arange(16) * (it + 1))
+        p.observe([f"p{i}" for i in range(8) for _ in range(2)], np.arange(16) * (it + 1),
+                  env_seconds=np.arange(16) * 0.5 / (it + 1))
     q = LengthPredictor(alpha=0.3, window=5)
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     ids = [f"p{i}" for i in range(10)]
     np.testing.assert_allclose(q.predict(ids), p.predict(ids))
     np.testing.assert_allclose(q.predict_max(ids), p.predict_max(ids))
+    np.testing.assert_allclose(q.predict_env(ids), p.predict_env(ids))
+
+
+def test_a_state_written_before_seconds_outside_the_model_loads():
+    p = LengthPredictor()
+    p.observe(["a", "b"], [100, 300])
+    old = {k: v for k, v in p.state_dict().items() if k not in ("env", "recent_env")}
+    q = LengthPredictor()
+    q.load_state_dict(old | {"version": 1})
+    np.testing.assert_allclose(q.predict(["a", "b", "new"]), p.predict(["a", "b", "new"]))
+    np.testing.assert_allclose(q.predict_env(["a", "new"]), [0.0, 0.0])
+    q.observe(["new"], [50], env_seconds=[4.0])
+    np.testing.assert_allclose(q.predict_env(["new", "unseen"]), [4.0, 4.0])
+    assert q.state_dict()["version"] == 2
 
 
 def test_load_state_dict_names_what_is_wrong():
@@ -72,6 +115,11 @@ def test_load_state_dict_names_what_is_wrong():
         LengthPredictor().load_state_dict({"version": 1})
     with pytest.raises(ValueError, match="must be equal"):
         LengthPredictor().load_state_dict({**state, "prompt_ids": ["a"]})
+    with pytest.raises(ValueError, match=r"lacks keys \['env', 'recent_env'\]"):
+        LengthPredictor().load_state_dict({k: v for k, v in state.items()
+                                           if k not in ("env", "recent_env")})
+    with pytest.raises(ValueError, match="this code reads 1 and 2"):
+        LengthPredictor().load_state_dict({**state, "version": 3})
 
 
 @pytest.mark.parametrize(

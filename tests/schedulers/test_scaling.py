@@ -57,6 +57,37 @@ def test_every_busy_worker_pays_the_wait_on_its_agents():
     assert waiting.n_workers == 1  # a second worker halves the decoding, not the wait
 
 
+def test_groups_whose_episodes_wait_long_spread_across_workers():
+    pred = np.array([100.0, 90.0, 80.0, 10.0])
+    kw = dict(max_workers=2, min_workers=2, lambda_cost=1.0, keep_warm=2)
+    by_length = choose_generation_workers(pred, 2, small_model(), **kw)
+    assert [a.tolist() for a in by_length.assignment] == [[0], [1, 2, 3]]
+    # groups 1 and 2 wait 3 s per episode on their agents: a step is 0.012 s, so each of
+    # them weighs ~4 s against group 0's 1.2 s, and they go one to a worker
+    waiting = choose_generation_workers(pred, 2, small_model(),
+                                        pred_env_seconds=[0.0, 3.0, 3.0, 0.0], **kw)
+    assert [a.tolist() for a in waiting.assignment] == [[1], [2, 0, 3]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1000), n=st.integers(1, 80), lam=st.floats(0, 1),
+       keep=st.integers(0, 5))
+def test_no_time_outside_the_model_leaves_the_decision_bit_for_bit(seed, n, lam, keep):
+    rng = np.random.default_rng(seed)
+    pred = rng.lognormal(5, 1, n)
+    kw = dict(max_workers=40, lambda_cost=lam, keep_warm=keep,
+              pred_max_lengths=pred * rng.uniform(1, 2, n), prompt_tokens=rng.integers(0, 500, n))
+    before = choose_generation_workers(pred, 4, small_model(), **kw)
+    for env in (None, np.zeros(n)):
+        after = choose_generation_workers(pred, 4, small_model(), pred_env_seconds=env, **kw)
+        assert after.n_workers == before.n_workers
+        assert np.array_equal(after.score, before.score)
+        assert np.array_equal(after.worker_seconds, before.worker_seconds)
+        assert [a.tolist() for a in after.assignment] == [a.tolist() for a in before.assignment]
+    assert [a.tolist() for a in before.assignment] == [
+        a.tolist() for a in assign_by_length(pred, before.n_workers)]
+
+
 def test_warm_workers_pay_no_cold_start_and_take_the_longest_groups():
     pred = np.array([300.0, 100.0])
     d = choose_generation_workers(pred, 1, small_model(), max_workers=2, min_workers=2,
@@ -96,15 +127,16 @@ def test_more_weight_on_time_never_buys_a_slower_plan(lam, dlam, seed, keep):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 100), n=st.integers(1, 60), keep=st.integers(0, 5),
-       lam=st.floats(0, 1))
-def test_vectorised_path_equals_calling_assign_per_candidate(seed, n, keep, lam):
+       lam=st.floats(0, 1), waits=st.booleans())
+def test_vectorised_path_equals_calling_assign_per_candidate(seed, n, keep, lam, waits):
     rng = np.random.default_rng(seed)
     pred = rng.integers(0, 3000, n).astype(float)
     pmax = pred * rng.uniform(1, 2, n)
     ptok = rng.integers(0, 500, n)
+    env = rng.uniform(0, 5, n) * rng.integers(0, 2, n) if waits else None
     model = ThroughputModel(max_batch=16)
     kw = dict(max_workers=30, lambda_cost=lam, keep_warm=keep, pred_max_lengths=pmax,
-              prompt_tokens=ptok)
+              prompt_tokens=ptok, pred_env_seconds=env)
     fast = choose_generation_workers(pred, 3, model, **kw)
     slow = choose_generation_workers(pred, 3, model, assign=lambda p, k: assign_by_length(p, k),
                                      **kw)

@@ -165,9 +165,25 @@ def test_one_call_per_iteration_feeds_every_model():
     np.testing.assert_allclose(static.predict(ids), once.predict(ids))
 
 
+def test_the_seconds_episodes_spend_outside_the_model_spread_their_groups():
+    scaling = ScalingPolicy(ScalingKnobs(), _model())
+    ids = ["long", "waits", "waits too", "short"]
+    lengths = [100, 90, 80, 10]
+    error = scaling.observe_iteration(ids, lengths, env_seconds=[0.0, 3.0, 3.0, 0.0])
+    assert error["n_unseen"] == 4 and error["mae_env"] == pytest.approx(1.5)  # predicted 0
+    np.testing.assert_allclose(scaling.predict_env(ids), [0.0, 3.0, 3.0, 0.0])
+    pred, pred_max = scaling.predict(ids)
+    kw = dict(keep_warm=2, max_workers=2, min_workers=2)
+    by_length = scaling.plan(pred, pred_max, 1, np.zeros(4), **kw)
+    assert [a.tolist() for a in by_length.assignment] == [[0], [1, 2, 3]]
+    spread = scaling.plan(pred, pred_max, 1, np.zeros(4), pred_env=scaling.predict_env(ids),
+                          **kw)
+    assert [a.tolist() for a in spread.assignment] == [[1], [2, 0, 3]]
+
+
 def test_state_dict_round_trips_what_the_policy_learned():
     scaling = ScalingPolicy(ScalingKnobs(), _model())
-    scaling.observe_lengths(["p1", "p1", "p2"], [10, 14, 30])
+    scaling.observe_lengths(["p1", "p1", "p2"], [10, 14, 30], [0.5, 1.5, 2.0])
     scaling.observe_decode([8.0, 16.0], [0.03, 0.04], [10, 10])
     scaling.observe_after_generation(2.5)
     scaling.observe_cold_starts([4.0, 6.0])
@@ -176,4 +192,5 @@ def test_state_dict_round_trips_what_the_policy_learned():
     assert fresh.update_seconds == 2.5
     np.testing.assert_allclose(fresh.predict(["p1", "p2", "new"]),
                                scaling.predict(["p1", "p2", "new"]))
+    np.testing.assert_allclose(fresh.predict_env(["p1", "p2", "new"]), [1.0, 2.0, 1.5])
     assert fresh.throughput.to_record() == scaling.throughput.to_record()
