@@ -6,9 +6,13 @@ worker's endpoint (``ops/rollouts/agent.py``), then replays the very requests th
 recorded as two ``decode_turns`` batches of the same engine, in-process. Prints per episode
 the model seconds (its requests' time at the endpoint) and the agent seconds (the rest of
 its wall time), and the endpoint's overhead: (episodes' wall − in-process seconds) / wall,
-with and without the agent process's start. Prints one JSON line.
+with and without the agent process's start. The first shard of a worker starts its agent
+process cold and its endpoint's first engine call warms the engine on a new thread: it is
+reported apart (``cold``); each later shard's process was started when the shard before
+ended, and ``--gap-s`` (the trainer's update in a run) passes between shards. Prints one
+JSON line.
 
-    python bench/agents.py [--prompts 16] [--max-tokens 16] [--repeats 3]
+    python bench/agents.py [--prompts 16] [--max-tokens 16] [--repeats 3] [--gap-s 2]
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gap-s", type=float, default=2.0)
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -77,7 +82,8 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.max_tokens, greedy=True)
     params = AgentParams("agents:two_requests", timeout_s=120, concurrency=args.prompts)
     results = []
-    for _ in range(args.repeats):
+    for _ in range(1 + args.repeats):
+        time.sleep(args.gap_s if results else 0.0)
         started = time.perf_counter()
         played = play_agents(engine, rows, sampling, params, GenerationStats())
         wall = time.perf_counter() - started
@@ -93,10 +99,11 @@ def main() -> None:
                         "overhead_without_process_start": (episode_wall - direct)
                         / episode_wall})
     engine.close()
+    cold, results = results[0], results[1:]
     print(json.dumps({
-        "bench": "agents", "load_avg_start": load, "prompts": args.prompts,
-        "requests_per_episode": 2, "max_tokens": args.max_tokens, "threads": args.threads,
-        "repeats": results,
+        "bench": "agents", "load_avg_start": load, "load_avg_end": os.getloadavg(),
+        "prompts": args.prompts, "requests_per_episode": 2, "max_tokens": args.max_tokens,
+        "threads": args.threads, "gap_s": args.gap_s, "cold": cold, "repeats": results,
         "overhead_median": median(r["overhead"] for r in results),
         "overhead_without_process_start_median": median(
             r["overhead_without_process_start"] for r in results)}))

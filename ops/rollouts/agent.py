@@ -4,7 +4,8 @@
 ``openai.OpenAI`` client set up for its episode (the worker's endpoint, the episode's own
 key), the prompt's row (every dataset column, ``prompt_text`` among them) and the model
 name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in a child
-process (``agent_child.py``, one per shard, every episode on a thread of it, each under
+process (``agent_child.py``, one per shard, started when the previous shard ended so its
+imports are done when the episodes start; every episode on a thread of it, each under
 ``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their requests from
 the engine in batches. What the episode becomes is built from the requests as the server
 recorded them, never from text:
@@ -29,6 +30,8 @@ beyond the model's, which the iteration record bills apart (``env_wait_worker_s`
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
 import os
@@ -38,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -47,11 +50,12 @@ from ..data.schema import EPISODES
 from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.generate import SamplingParams, expand_samples, rollouts_table, row_keys
 from ..engine.protocol import GenerationBackend
+from .agent_binding import AGENT_HOSTS, endpoint_binding
 
 if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported where an agent runs
     from .agent_server import AgentEndpoint, Call
 
-_ENDPOINT: list[AgentEndpoint] = []  # this process's endpoint, started on first use
+_ENDPOINT: dict[str, AgentEndpoint] = {}  # this process's endpoint per agent_host, on first use
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,13 @@ class AgentParams:
     timeout_s: float = 60.0  # per episode, from its start
     concurrency: int = 16  # episodes at once in the agent process
     chat_template: str | None = None  # None: the tokenizer's
+    host: str = "loopback"  # where the endpoint listens: loopback or worker (agent_binding.py)
 
     def __post_init__(self) -> None:
         if ":" not in self.agent:
             raise ValueError(f"agent = {self.agent!r}: use 'module:function'")
+        if self.host not in AGENT_HOSTS:
+            raise ValueError(f"agent host = {self.host!r}: allowed {AGENT_HOSTS}")
         if not self.timeout_s > 0 or self.concurrency < 1:
             raise ValueError("agent timeout_s must be > 0 and concurrency >= 1")
 
@@ -78,15 +85,15 @@ class Trajectory:
     calls: int
 
 
-def endpoint() -> AgentEndpoint:
-    """This process's agent endpoint (started on the first call)."""
-    if not _ENDPOINT:
+def endpoint(host: str = "loopback") -> AgentEndpoint:
+    """This process's agent endpoint on ``host`` (``AGENT_HOSTS``), started on the first call."""
+    if host not in _ENDPOINT:
         from .agent_server import AgentEndpoint
 
         server = AgentEndpoint()
-        server.start()
-        _ENDPOINT.append(server)
-    return _ENDPOINT[0]
+        server.start(endpoint_binding(host))
+        _ENDPOINT[host] = server
+    return _ENDPOINT[host]
 
 
 def trajectories(calls: list[Call]) -> list[Trajectory]:
@@ -120,7 +127,7 @@ def play_agents(engine: GenerationBackend, rows: pa.Table, sampling: SamplingPar
     """One agent episode per row (``expand_samples``' rows) on ``engine``: each episode's
     outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) and its requests as the
     endpoint recorded them."""
-    server = endpoint()
+    server = endpoint(params.host)
     server.set_engine(engine, sampling, params.chat_template)
     server.stats = stats
     texts = engine.tokenizer.batch_decode(rows.column("prompt_ids").to_pylist(),
@@ -144,9 +151,9 @@ def run_agent_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: 
     one row per trajectory, so an episode of several gives several rows of its prompt."""
     stats = stats if stats is not None else GenerationStats()
     rows, start = expand_samples(prompts, n_samples), time.time()
-    busy, wall = endpoint().busy_s, time.perf_counter()
+    busy, wall = endpoint(params.host).busy_s, time.perf_counter()
     played = play_agents(engine, rows, sampling, params, stats)
-    idle = time.perf_counter() - wall - (endpoint().busy_s - busy)
+    idle = time.perf_counter() - wall - (endpoint(params.host).busy_s - busy)
     return agent_rows(rows, played, engine, worker=worker, start=start, idle_s=max(idle, 0.0))
 
 
@@ -200,36 +207,86 @@ def _plain(row: dict) -> dict:
 
 def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]) -> list[dict]:
     """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from one
-    agent process; it is killed once every episode should have ended."""
+    agent process; it is killed once every episode should have ended, and the process for
+    the next shard is started then."""
     if not episodes:
         return []
-    job = {"agent": params.agent, "base_url": server.base_url, "model": server.model_name,
+    job = {"base_url": server.base_url, "ca_pem": server.binding.ca_pem,
+           "model": server.model_name,
            "timeout_s": params.timeout_s, "concurrency": params.concurrency,
            "episodes": episodes}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     waves = math.ceil(len(episodes) / params.concurrency)
     limit = params.timeout_s * waves + 30.0
     outcomes: dict[int, dict] = {}
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rlhfless.ops.rollouts.agent_child"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                env=env)
-        def read() -> None:
-            for line in proc.stdout:
-                out = json.loads(line)
-                outcomes[out.pop("i")] = out
+    child = _agent_process(params.agent)
+    proc = child.proc
 
-        try:
+    def read() -> None:
+        for line in proc.stdout:
+            out = json.loads(line)
+            outcomes[out.pop("i")] = out
+
+    try:
+        with contextlib.suppress(BrokenPipeError):  # a process that died: said below
             proc.stdin.write(json.dumps(job).encode())
             proc.stdin.close()
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            reader.join(limit)  # the child reports every episode within its limit
-        finally:
-            proc.kill()
-            proc.wait()
-        err.seek(0)
-        said = " ".join(err.read().decode(errors="replace").split())[-300:]
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(limit)  # the child reports every episode within its limit
+    finally:
+        said = child.close()
+        _SPARE.append(_AgentProcess.start(params.agent))
     missing = {"error": f"the agent process ended without this episode's result ({said})",
                "seconds": 0.0}
     return [outcomes.get(i, missing) for i in range(len(episodes))]
+
+
+@dataclass
+class _AgentProcess:
+    """A started ``agent_child`` process of one agent, waiting for its job on stdin."""
+
+    agent: str
+    proc: subprocess.Popen
+    stderr: IO[bytes]
+
+    @classmethod
+    def start(cls, agent: str) -> _AgentProcess:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        stderr = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "rlhfless.ops.rollouts.agent_child",
+                                 agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=stderr, env=env)
+        return cls(agent, proc, stderr)
+
+    def close(self) -> str:
+        """Kill it; the end of what it wrote on stderr."""
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):  # stdin's unsent bytes go nowhere
+                pipe.close()
+        self.stderr.seek(0)
+        said = " ".join(self.stderr.read().decode(errors="replace").split())[-300:]
+        self.stderr.close()
+        return said
+
+
+# The process the next shard's episodes run in, started when the last shard ended: its
+# imports (``openai``, the agent's module: about a second) overlap the worker's other work.
+_SPARE: list[_AgentProcess] = []
+
+
+def _agent_process(agent: str) -> _AgentProcess:
+    """A process for ``agent``'s episodes: the spare if it is of that agent and alive."""
+    spare = _SPARE.pop() if _SPARE else None
+    if spare is not None and spare.agent == agent and spare.proc.poll() is None:
+        return spare
+    if spare is not None:
+        spare.close()
+    return _AgentProcess.start(agent)
+
+
+@atexit.register
+def _close_spare() -> None:
+    while _SPARE:
+        _SPARE.pop().close()

@@ -1,13 +1,16 @@
-"""The agent process: ``python -m rlhfless.ops.rollouts.agent_child``, started per shard.
+"""The agent process: ``python -m rlhfless.ops.rollouts.agent_child <module:function>``.
 
-Reads one JSON job on stdin (the agent ``module:function``, the endpoint's base URL and
-model name, the time limit, how many episodes at once, and per episode its bearer key and
-row), runs every episode on a thread with an ``openai.OpenAI`` client of its own, and
-prints one JSON line per episode as it ends: ``{"i", "reward", "seconds"}`` or
-``{"i", "error", "seconds"}``. An episode over its time limit is reported as an error then
-and abandoned; the process exits (``os._exit``) once every episode is reported, which ends
-any thread still running. The agent is called as ``agent(client, row, model)`` and returns
-its reward, a finite number.
+Started before its shard runs (``agent.py`` keeps one started while the worker does other
+work), it imports the agent and ``openai`` and makes the TLS context every episode's client
+shares, then waits for one JSON job on stdin: the endpoint's base URL and model name, the
+authority of its HTTPS certificate (``ca_pem``: None over plain HTTP), the time limit, how
+many episodes at once, and per episode its bearer key and row. It runs every episode on a
+thread with an ``openai.OpenAI`` client of its own and prints one JSON line per episode as
+it ends: ``{"i", "reward", "seconds"}`` or ``{"i", "error", "seconds"}``. An
+episode over its time limit is reported as an error then and abandoned; the process exits
+(``os._exit``) once every episode is reported, which ends any thread still running, and at
+once when stdin closes without a job (its worker is gone). The agent is called as
+``agent(client, row, model)`` and returns its reward, a finite number.
 """
 
 from __future__ import annotations
@@ -16,20 +19,38 @@ import importlib
 import json
 import math
 import os
+import ssl
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .agent_binding import agent_trust
 
-def _agent(spec: str):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+
+def _load(spec: str):
+    """The agent function, ``openai``, ``httpx`` and a TLS context; or the error that stops
+    every episode."""
+    try:
+        module, _, name = spec.partition(":")
+        agent = getattr(importlib.import_module(module), name)
+        import httpx
+        import openai
+
+        openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-").chat.completions  # noqa: B018
+        # one context for every client: making one loads the CA bundle (~20 ms of CPU each)
+        return agent, openai, httpx, ssl.create_default_context()
+    except BaseException as err:
+        return f"agent {spec!r} cannot be loaded: {type(err).__name__}: {err}"
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.read())
-    lock, reported, started = threading.Lock(), set(), {}
+    loaded = _load(sys.argv[1])
+    text = sys.stdin.read()
+    if not text.strip():
+        os._exit(0)
+    job = json.loads(text)
+    lock, reported, started, all_reported = threading.Lock(), set(), {}, threading.Event()
 
     def report(i: int, **out) -> None:
         with lock:
@@ -38,20 +59,21 @@ def main() -> None:
             reported.add(i)
             seconds = time.monotonic() - started.get(i, time.monotonic())
             print(json.dumps({"i": i, **out, "seconds": seconds}), flush=True)
+            if len(reported) == len(job["episodes"]):
+                all_reported.set()
 
-    try:
-        agent = _agent(job["agent"])
-        import openai
-    except BaseException as err:  # every episode fails alike: said once per episode
+    if isinstance(loaded, str):  # every episode fails alike: said once per episode
         for i in range(len(job["episodes"])):
-            report(i, error=f"agent {job['agent']!r} cannot be loaded: "
-                            f"{type(err).__name__}: {err}")
+            report(i, error=loaded)
         os._exit(0)
+    agent, openai, httpx, tls = loaded
+    tls = agent_trust(job["ca_pem"]) if job["ca_pem"] else tls  # HTTPS: the run's CA alone
 
     def one(i: int, episode: dict) -> None:
         started[i] = time.monotonic()
         client = openai.OpenAI(base_url=job["base_url"], api_key=episode["api_key"],
-                               max_retries=0, timeout=job["timeout_s"])
+                               max_retries=0, timeout=job["timeout_s"],
+                               http_client=httpx.Client(verify=tls))
         try:
             reward = agent(client, episode["row"], job["model"])
             if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
@@ -64,12 +86,11 @@ def main() -> None:
     pool = ThreadPoolExecutor(max(1, job["concurrency"]), thread_name_prefix="agent")
     for i, episode in enumerate(job["episodes"]):
         pool.submit(one, i, episode)
-    while len(reported) < len(job["episodes"]):
+    while not all_reported.wait(0.05):
         now = time.monotonic()
         for i, t in list(started.items()):
             if now - t > job["timeout_s"]:
                 report(i, error=f"TimeoutError: the episode ran over {job['timeout_s']:g} s")
-        time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)
 

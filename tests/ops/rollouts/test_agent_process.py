@@ -1,0 +1,52 @@
+"""The agent process of a shard is started when the shard before it ended: the next shard's
+episodes run in it (its imports already done), a spare of another agent is replaced, and a
+spare whose worker is gone (stdin closed without a job) exits by itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.rollouts import agent
+from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
+
+SAMPLING = SamplingParams(max_new_tokens=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
+    return HFBackend.of_model(model, tokenizer)
+
+
+def _shard(engine, make_prompts, name: str = "openai_agents:two_turns") -> None:
+    _, stats = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 2,
+                                  SAMPLING, AgentParams(name))
+    assert stats.episodes == 2 and stats.env_errors == 0
+
+
+def test_the_next_shard_runs_in_the_process_started_when_the_last_one_ended(engine,
+                                                                          make_prompts):
+    _shard(engine, make_prompts)
+    [spare] = agent._SPARE
+    assert spare.agent == "openai_agents:two_turns" and spare.proc.poll() is None
+    _shard(engine, make_prompts)
+    assert spare.proc.poll() is not None  # it ran the shard and was closed after
+    [after] = agent._SPARE
+    assert after is not spare and after.proc.poll() is None
+
+
+def test_a_spare_of_another_agent_is_replaced(engine, make_prompts):
+    _shard(engine, make_prompts)
+    [spare] = agent._SPARE
+    _shard(engine, make_prompts, "openai_agents:branches")
+    assert spare.proc.poll() is not None
+    [after] = agent._SPARE
+    assert after.agent == "openai_agents:branches"
+
+
+def test_a_spare_exits_when_its_stdin_closes_without_a_job():
+    spare = agent._AgentProcess.start("openai_agents:two_turns")
+    spare.proc.stdin.close()
+    assert spare.proc.wait(timeout=60) == 0
+    spare.close()
