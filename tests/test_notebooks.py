@@ -45,11 +45,16 @@ def test_notebook_is_committed_without_outputs(name):
 
 def test_quickstart_trains_with_live_progress_and_shows_the_graph(tiny_model_dir, tmp_path):
     nb = execute("quickstart", tmp_path, model=str(tiny_model_dir), iterations=2,
-                 batch_prompts=6, n_samples=3, max_new_tokens=12, heldout_prompts=8)
+                 batch_prompts=6, n_samples=3, max_new_tokens=12, heldout_prompts=8,
+                 agent_iterations=1)
     assert len(outputs_of(nb, "image/png")) >= 5  # graph, live plot, 4 figures of the run
     assert (tmp_path / "runs" / "quickstart" / "report" / "index.html").exists()
     metrics = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text()
     assert metrics.count('"event": "iteration"') == 2
+    # the agent run (the quick model plays tally-agent here): its iteration, agents' wait
+    agent = (tmp_path / "runs" / "quickstart-agent" / "metrics.jsonl").read_text()
+    assert agent.count('"event": "iteration"') == 1
+    assert any("env_wait_share" in o["data"]["text/html"] for o in outputs_of(nb, "text/html"))
 
 
 def test_elasticity_notebook_on_a_finished_elastic_run(finished_run, tmp_path):

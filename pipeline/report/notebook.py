@@ -4,7 +4,8 @@
   figure in place after every iteration and evaluation — a progress line (iteration i of n,
   seconds so far) over the reward and held-out accuracy curves;
 * ``graph_image``: the iteration graph of a config (``cli.render_graph``) as an inline image;
-* ``table``: rows (dicts) as an HTML table;
+* ``table``: rows (dicts) as an HTML table; ``iterations_table``: chosen metrics of a run's
+  iterations, one row each;
 * ``scenario``: one of the simulator's built-in scenarios, with fewer iterations if asked.
 
 Needs IPython (the ``notebooks`` extra); it is meant to be imported in a notebook kernel.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from IPython.display import HTML, Image, display
@@ -24,6 +26,7 @@ from ..cli import render_graph
 from ..config import Config
 from ..sim.simulate import Scenario, paper_scenarios
 from .page import html_table
+from .run_data import RunData
 
 
 class LivePlot:
@@ -72,6 +75,12 @@ def graph_image(cfg: Config) -> Image:
 
 def table(rows: list[dict], max_rows: int = 200) -> HTML:
     return HTML(html_table(rows, max_rows))
+
+
+def iterations_table(data: RunData, keys: Sequence[str]) -> HTML:
+    """The ``keys`` of each iteration's metrics record, one row per iteration (blank where
+    a record lacks one)."""
+    return table([{key: record.get(key) for key in keys} for record in data.iterations])
 
 
 def scenario(name: str, iterations: int | None = None) -> Scenario:
