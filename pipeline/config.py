@@ -21,6 +21,7 @@ import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
+from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
@@ -44,6 +45,7 @@ CHOICES = {
     "train_dtype": ("float32", "bfloat16"),
     "gen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "task": ("tally", "tally-tool", "tally-long"),
+    "agent_host": AGENT_HOSTS,
 }
 
 KNOBS = ScalingKnobs()
@@ -113,6 +115,7 @@ class Config:
     agent_timeout_s: float = 60.0  # per agent episode; over it ends the episode as an error
     agent_concurrency: int = 16  # agent episodes at once per generation worker
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
+    agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     # episodes' credit (ops/algo/advantage.py): normalised among the group's same-index turns

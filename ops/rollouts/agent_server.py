@@ -2,9 +2,10 @@
 
 ``AgentEndpoint`` serves ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``GET /v1/models`` (OpenAI's request and response shapes; FastAPI on uvicorn, in a thread of
-the worker's process, bound to loopback: the agents it serves are the worker's own child
-processes). Each episode gets its own bearer key (``open_episode``); a request without a key
-that is open gets 401 and nothing else, and a key stops working when its episode is closed.
+the worker's process, bound to loopback by default, or to the worker's own address over
+HTTPS when the cluster speaks TLS: ``agent_binding.py``). Each episode gets its own bearer
+key (``open_episode``); a request without a key that is open gets 401 and nothing else, and a
+key stops working when its episode is closed.
 
 Requests of all open episodes are batched: a dispatcher thread takes what has arrived
 within ``batch_window_s`` of the first and samples it in one ``decode_turns`` call of the
@@ -37,6 +38,7 @@ from ..engine.gen_stats import GenerationStats
 from ..engine.generate import SamplingParams
 from ..engine.protocol import GenerationBackend, Turn
 from ..engine.seeds import subkeys
+from .agent_binding import Binding
 from .agent_render import (
     BadRequest,
     assistant_message,
@@ -89,16 +91,22 @@ class AgentEndpoint:
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._server: Any = None
+        self.binding = Binding()
         self.base_url = ""
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    def start(self) -> str:
-        """Serve on a free loopback port; returns the base URL (``http://127.0.0.1:<port>/v1``)."""
+    def start(self, binding: Binding | None = None) -> str:
+        """Serve on a free port of ``binding`` (default: loopback, plain HTTP); returns the
+        base URL (``http://127.0.0.1:<port>/v1``, ``https://<worker host>:<port>/v1``)."""
         import uvicorn
+        from distributed.comm.addressing import unparse_host_port
 
-        config = uvicorn.Config(build_app(self), host="127.0.0.1", port=0, log_level="error",
-                                lifespan="off", access_log=False)
+        self.binding = binding or Binding()
+        tls = self.binding.tls
+        config = uvicorn.Config(build_app(self), host=self.binding.host, port=0,
+                                log_level="error", lifespan="off", access_log=False,
+                                ssl_context_factory=None if tls is None else lambda *_: tls)
         self._server = uvicorn.Server(config)
         threading.Thread(target=self._server.run, name="rlhfless-endpoint", daemon=True).start()
         threading.Thread(target=self._dispatch, name="rlhfless-endpoint-batch",
@@ -109,7 +117,8 @@ class AgentEndpoint:
                 raise RuntimeError("the agent endpoint did not start within 30 s")
             time.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}/v1"
+        host_port = unparse_host_port(self.binding.host, port)
+        self.base_url = f"{self.binding.scheme}://{host_port}/v1"
         return self.base_url
 
     def stop(self) -> None:

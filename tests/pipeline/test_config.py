@@ -37,6 +37,8 @@ def test_defaults_and_overrides(tmp_path):
         ("min_stall_s=0", ["min_stall_s", "> 0"]),
         ("stall_timeout_factor=-1", ["stall_timeout_factor", "> 0"]),
         ("job_start_timeout_s=0", ["job_start_timeout_s", "> 0"]),
+        ("agent_host=everywhere", ["agent_host = 'everywhere' is not allowed", "'loopback'",
+                                   "'worker'"]),
     ],
 )
 def test_bad_key_or_value_is_one_clear_line(override, words):

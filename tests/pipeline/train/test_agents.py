@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhfless.pipeline.config import Config, ConfigError
+from rlhfless.pipeline.specs import agent_params
 from rlhfless.pipeline.train.loop import train
 
 
@@ -37,3 +38,5 @@ def test_agent_config_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="agent_timeout_s"):
         Config(agent="openai_agents:two_turns", agent_timeout_s=0)
     assert Config(task="tally-tool", agent="tally-agent").episode_environment == ""
+    worker_bound = Config(agent="openai_agents:two_turns", agent_host="worker")
+    assert agent_params(worker_bound).host == "worker"  # the key reaches the workers' tasks
