@@ -62,3 +62,10 @@ def thinks_then_asks(client, row, model):
     time.sleep(0.5)
     client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
     return 1.0
+
+
+def asks_once_or_twice(client, row, model):
+    """One completion request; a second one in odd samples."""
+    for _ in range(1 + row["sample_idx"] % 2):
+        client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
+    return 1.0

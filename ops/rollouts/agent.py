@@ -129,7 +129,7 @@ def play_agents(engine: GenerationBackend, rows: pa.Table, sampling: SamplingPar
     endpoint recorded them."""
     server = endpoint(params.host)
     server.set_engine(engine, sampling, params.chat_template)
-    server.stats = stats
+    server.stats, server.concurrency = stats, params.concurrency
     texts = engine.tokenizer.batch_decode(rows.column("prompt_ids").to_pylist(),
                                           skip_special_tokens=True) if len(rows) else []
     tokens = [server.open_episode(int(k)) for k in row_keys(sampling.seed, rows)]
@@ -224,7 +224,9 @@ def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]
     def read() -> None:
         for line in proc.stdout:
             out = json.loads(line)
-            outcomes[out.pop("i")] = out
+            i = out.pop("i")
+            outcomes[i] = out
+            server.end_episode(episodes[i]["api_key"])
 
     try:
         with contextlib.suppress(BrokenPipeError):  # a process that died: said below

@@ -7,10 +7,12 @@ HTTPS when the cluster speaks TLS: ``agent_binding.py``). Each episode gets its 
 key (``open_episode``); a request without a key that is open gets 401 and nothing else, and a
 key stops working when its episode is closed.
 
-Requests of all open episodes are batched: a dispatcher thread takes what has arrived
-within ``batch_window_s`` of the first and samples it in one ``decode_turns`` call of the
-engine protocol (``ops/engine/protocol.py``), so concurrent agents decode together as
-rollouts do, at the weights the task set. Every request is recorded token-exact as the
+Requests of all open episodes are batched: a dispatcher thread takes what arrives after
+the first until every episode that can send one has (the episodes the agent process runs at
+once, ``concurrency``, less those that ended: ``end_episode``), or ``batch_window_s`` after
+the first at the latest, and samples it in one ``decode_turns`` call of the engine protocol
+(``ops/engine/protocol.py``), so concurrent agents decode together as rollouts do, at the
+weights the task set. Every request is recorded token-exact as the
 server saw it (``Call``: the prompt ids after the chat template, each sample's ids, behaviour
 logprobs and finish reason, and its seconds); ``close_episode`` hands the record back.
 ``n`` samples of a request are drawn under their own keys, derived from the episode's key
@@ -63,6 +65,7 @@ class _Episode:
     key: int  # the episode's sampling key
     calls: list[Call] = field(default_factory=list)
     drawn: int = 0  # samples drawn so far (each draws under subkeys(key, drawn))
+    ended: bool = False  # its agent returned: it sends nothing more
     # the last chat request: its messages, prompt ids, and each answer with its sampled ids
     chat: tuple[list[dict], list[int], list[tuple[dict, list[int]]]] | None = None
 
@@ -79,8 +82,10 @@ class AgentEndpoint:
     """See the module docstring. ``start`` once per process; ``open_episode`` / ``close_episode``
     around each agent episode; ``set_engine`` before each task (its weights, its sampling)."""
 
-    def __init__(self, model_name: str = "rlhfless", batch_window_s: float = 0.005) -> None:
+    def __init__(self, model_name: str = "rlhfless", batch_window_s: float = 0.05) -> None:
         self.model_name, self.batch_window_s = model_name, batch_window_s
+        self.concurrency = 1  # episodes the agent process runs at once
+        self._live = 0  # open episodes that have not ended
         self.engine: GenerationBackend | None = None
         self.sampling = SamplingParams()
         self.chat_template: str | None = None
@@ -140,13 +145,28 @@ class AgentEndpoint:
         token = secrets.token_urlsafe(24)
         with self._lock:
             self._episodes[token] = _Episode(int(key))
+            self._live += 1
         return token
+
+    def end_episode(self, token: str) -> None:
+        """The episode's agent returned: the batcher waits for its requests no more."""
+        with self._lock:
+            episode = self._episodes.get(token)
+            if episode is not None and not episode.ended:
+                episode.ended = True
+                self._live -= 1
 
     def close_episode(self, token: str) -> list[Call]:
         """The episode's calls in order; its key stops working."""
+        self.end_episode(token)
         with self._lock:
             episode = self._episodes.pop(token, None)
         return [] if episode is None else episode.calls
+
+    def _senders(self) -> int:
+        """How many requests can be on their way: one per episode running now."""
+        with self._lock:
+            return min(self.concurrency, self._live)
 
     def episode_of(self, authorization: str | None) -> _Episode | None:
         if not authorization or not authorization.startswith("Bearer "):
@@ -198,16 +218,16 @@ class AgentEndpoint:
         return call
 
     def _dispatch(self) -> None:
-        """The batching thread: every request that arrived within the window, one engine
-        call per sampling parameters."""
+        """The batching thread: the requests of every running episode, or those that arrived
+        within the window, one engine call per sampling parameters."""
         while (first := self._jobs.get()) is not None:
             jobs = [first]
             deadline = time.perf_counter() + self.batch_window_s
-            while (left := deadline - time.perf_counter()) > 0:
-                try:
-                    job = self._jobs.get(timeout=left)
+            while len(jobs) < self._senders() and (left := deadline - time.perf_counter()) > 0:
+                try:  # woken often: an episode that ends sends nothing to wake it
+                    job = self._jobs.get(timeout=min(left, 0.002))
                 except queue.Empty:
-                    break
+                    continue
                 if job is None:
                     self._jobs.put(None)
                     break

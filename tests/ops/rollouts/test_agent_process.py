@@ -1,8 +1,11 @@
 """The agent process of a shard is started when the shard before it ended: the next shard's
 episodes run in it (its imports already done), a spare of another agent is replaced, and a
-spare whose worker is gone (stdin closed without a job) exits by itself."""
+spare whose worker is gone (stdin closed without a job) exits by itself. The endpoint samples
+the requests of every running episode in one engine call."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -50,3 +53,27 @@ def test_a_spare_exits_when_its_stdin_closes_without_a_job():
     spare.proc.stdin.close()
     assert spare.proc.wait(timeout=60) == 0
     spare.close()
+
+
+def test_the_endpoint_batches_every_running_episodes_request_and_no_more(engine, make_prompts,
+                                                                        monkeypatch):
+    """With a window far longer than the run, each engine call still starts as soon as every
+    running episode has sent its request: all 8 first requests in one call, then the 4 odd
+    samples' second ones, without waiting for the 4 episodes that ended."""
+    server = agent.endpoint()
+    monkeypatch.setattr(server, "batch_window_s", 30.0)
+    batches, decode = [], engine.decode_turns
+
+    def counted(turns, *args, **kwargs):
+        batches.append(len(turns))
+        return decode(turns, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "decode_turns", counted)
+    prompts = make_prompts(["Items: fig pear\nAnswer:", "Items: plum\nAnswer:",
+                            "Count: kiwi lime\nAnswer:", "Items: rice\nAnswer:"])
+    started = time.perf_counter()
+    _, stats = run_agent_episodes(engine, prompts, 2, SAMPLING,
+                                  AgentParams("openai_agents:asks_once_or_twice",
+                                              concurrency=8))
+    assert stats.env_errors == 0 and batches == [8, 4]
+    assert time.perf_counter() - started < 30.0  # no call waited for its window
