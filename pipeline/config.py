@@ -113,7 +113,7 @@ class Config:
     # one, on task tally-tool), called per prompt with an OpenAI client of the worker's endpoint
     agent: str = ""  # empty: no agent
     agent_timeout_s: float = 60.0  # per agent episode; over it ends the episode as an error
-    agent_concurrency: int = 16  # agent episodes at once per generation worker
+    agent_concurrency: int = 64  # agent episodes at once per generation worker (each shard)
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
     # algorithm

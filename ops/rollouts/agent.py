@@ -62,7 +62,7 @@ _ENDPOINT: dict[str, AgentEndpoint] = {}  # this process's endpoint per agent_ho
 class AgentParams:
     agent: str  # "module:function"
     timeout_s: float = 60.0  # per episode, from its start
-    concurrency: int = 16  # episodes at once in the agent process
+    concurrency: int = 64  # episodes at once in the agent process
     chat_template: str | None = None  # None: the tokenizer's
     host: str = "loopback"  # where the endpoint listens: loopback or worker (agent_binding.py)
 
