@@ -44,8 +44,9 @@ def worker_name() -> str:
 
 
 # the share of a worker's memory limit kept free below Dask's pause fraction for what
-# generation allocates after a CPU engine's load
-ENGINE_RAM_MARGIN = 0.1
+# generation allocates after a CPU engine's load (an agent endpoint's requests among it: at
+# a tenth, the agent task's workers crossed the pause on vLLM's CPU build)
+ENGINE_RAM_MARGIN = 0.2
 
 
 def engine_ram_bytes() -> int | None:
