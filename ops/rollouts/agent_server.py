@@ -113,7 +113,9 @@ class AgentEndpoint:
                                 log_level="error", lifespan="off", access_log=False,
                                 ssl_context_factory=None if tls is None else lambda *_: tls)
         self._server = uvicorn.Server(config)
-        threading.Thread(target=self._server.run, name="rlhfless-endpoint", daemon=True).start()
+        self._serving = threading.Thread(target=self._server.run, name="rlhfless-endpoint",
+                                         daemon=True)
+        self._serving.start()
         threading.Thread(target=self._dispatch, name="rlhfless-endpoint-batch",
                          daemon=True).start()
         deadline = time.monotonic() + 30
@@ -127,9 +129,11 @@ class AgentEndpoint:
         return self.base_url
 
     def stop(self) -> None:
+        """Stop serving; its port is closed when this returns."""
         if self._server is not None:
             self._server.should_exit = True
             self._jobs.put(None)
+            self._serving.join(10)
             self._server = None
 
     def set_engine(self, engine: GenerationBackend, sampling: SamplingParams,

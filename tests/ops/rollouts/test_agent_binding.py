@@ -15,6 +15,7 @@ from distributed.utils import get_ip
 
 from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.rollouts import agent
 from rlhfless.ops.rollouts.agent import AgentParams, endpoint, run_agent_episodes
 from rlhfless.ops.rollouts.agent_binding import (
     LOOPBACK,
@@ -98,17 +99,25 @@ def test_on_a_tls_cluster_the_worker_address_serves_https_with_the_runs_certific
 
 
 def test_agents_of_a_tls_dask_worker_reach_its_endpoint_on_the_worker_address(
-        engine, make_prompts, tmp_path):
+        engine, make_prompts, tmp_path, monkeypatch):
     """A real worker of a TLS cluster: its endpoint listens on the worker's host over HTTPS,
-    and the agent process it starts verifies it with the run's authority (``ca_pem``)."""
+    and the agent process it starts verifies it with the run's authority (``ca_pem``). The
+    worker runs in this process: its endpoint is stopped after, so that no later test finds
+    this process listening beyond loopback."""
     assert endpoint_binding("worker") == Binding()  # outside a worker: loopback
     assert endpoint_binding("loopback").host == LOOPBACK
     security = run_credentials(tmp_path / "tls")
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, host=HOST,
-                      protocol="tls://", security=security, dashboard_address=None) as cluster, \
-            Client(cluster, security=security) as client:
-        played = client.submit(_episodes, engine, make_prompts([PROMPT]))
-        stats, base_url = played.result(timeout=60)
+    monkeypatch.setattr(agent, "_ENDPOINT", {})  # this test's endpoints alone
+    try:
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, host=HOST,
+                          protocol="tls://", security=security,
+                          dashboard_address=None) as cluster, \
+                Client(cluster, security=security) as client:
+            played = client.submit(_episodes, engine, make_prompts([PROMPT]))
+            stats, base_url = played.result(timeout=60)
+    finally:
+        for server in agent._ENDPOINT.values():
+            server.stop()
     assert stats.episodes == 2 and stats.env_errors == 0
     assert base_url.startswith(f"https://{HOST}:")
 
