@@ -15,10 +15,16 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ("quickstart", "elasticity", "simulation")
 
 
-def execute(name: str, workdir: Path, **parameters) -> nbformat.NotebookNode:
+def execute(name: str, workdir: Path, until: str | None = None,
+            **parameters) -> nbformat.NotebookNode:
     """Run ``notebooks/<name>.ipynb`` in ``workdir`` with ``parameters`` set right after its
-    cell tagged ``parameters``; returns the executed notebook."""
+    cell tagged ``parameters``, up to the markdown cell that starts with ``until`` (None:
+    the whole notebook); returns the executed notebook."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    if until is not None:
+        [end] = [i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "markdown" and c.source.startswith(until)]
+        nb.cells = nb.cells[:end]
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{name}: exactly one cell must be tagged 'parameters'"
     injected = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
@@ -43,14 +49,24 @@ def test_notebook_is_committed_without_outputs(name):
             assert cell.outputs == [] and cell.execution_count is None, name
 
 
+QUICK = dict(iterations=2, batch_prompts=6, n_samples=3, max_new_tokens=12, heldout_prompts=8)
+
+
 def test_quickstart_trains_with_live_progress_and_shows_the_graph(tiny_model_dir, tmp_path):
-    nb = execute("quickstart", tmp_path, model=str(tiny_model_dir), iterations=2,
-                 batch_prompts=6, n_samples=3, max_new_tokens=12, heldout_prompts=8,
-                 agent_iterations=1)
+    """Up to its agent section: the agent's run is a second cluster's (the slow test below;
+    tests/pipeline/train/test_agents.py runs agents on a cluster in the quick suite)."""
+    nb = execute("quickstart", tmp_path, until="## An agent", model=str(tiny_model_dir),
+                 **QUICK)
     assert len(outputs_of(nb, "image/png")) >= 5  # graph, live plot, 4 figures of the run
     assert (tmp_path / "runs" / "quickstart" / "report" / "index.html").exists()
     metrics = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text()
     assert metrics.count('"event": "iteration"') == 2
+
+
+@pytest.mark.slow
+def test_quickstart_ends_with_an_agent_run(tiny_model_dir, tmp_path):
+    nb = execute("quickstart", tmp_path, model=str(tiny_model_dir), agent_iterations=1,
+                 **QUICK)
     # the agent run (the quick model plays tally-agent here): its iteration, agents' wait
     agent = (tmp_path / "runs" / "quickstart-agent" / "metrics.jsonl").read_text()
     assert agent.count('"event": "iteration"') == 1

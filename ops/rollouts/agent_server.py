@@ -129,9 +129,9 @@ class AgentEndpoint:
         return self.base_url
 
     def stop(self) -> None:
-        """Stop serving; its port is closed when this returns."""
+        """Stop serving, dropping open connections; its port is closed when this returns."""
         if self._server is not None:
-            self._server.should_exit = True
+            self._server.should_exit = self._server.force_exit = True
             self._jobs.put(None)
             self._serving.join(10)
             self._server = None
