@@ -4,6 +4,7 @@ imports them by name: it inherits the test's ``sys.path``). Each is written agai
 
 from __future__ import annotations
 
+import os
 import time
 
 LOOKUP = {"type": "function", "function": {
@@ -69,3 +70,9 @@ def asks_once_or_twice(client, row, model):
     for _ in range(1 + row["sample_idx"] % 2):
         client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=4)
     return 1.0
+
+
+def reports_its_process(client, row, model):
+    """One request; the reward is the id of the process the episode ran in."""
+    client.completions.create(model=model, prompt=row["prompt_text"], max_tokens=2)
+    return float(os.getpid())

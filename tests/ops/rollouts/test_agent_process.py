@@ -22,19 +22,22 @@ def engine(model, tokenizer):
     return HFBackend.of_model(model, tokenizer)
 
 
-def _shard(engine, make_prompts, name: str = "openai_agents:two_turns") -> None:
-    _, stats = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 2,
-                                  SAMPLING, AgentParams(name))
+def _shard(engine, make_prompts, name: str = "openai_agents:two_turns") -> set[float]:
+    """Two episodes of ``name``; their rewards."""
+    table, stats = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 2,
+                                      SAMPLING, AgentParams(name))
     assert stats.episodes == 2 and stats.env_errors == 0
+    return set(table.column("env_reward").to_pylist())
 
 
 def test_the_next_shard_runs_in_the_process_started_when_the_last_one_ended(engine,
                                                                           make_prompts):
-    _shard(engine, make_prompts)
+    name = "openai_agents:reports_its_process"
+    _shard(engine, make_prompts, name)
     [spare] = agent._SPARE
-    assert spare.agent == "openai_agents:two_turns" and spare.proc.poll() is None
-    _shard(engine, make_prompts)
-    assert spare.proc.poll() is not None  # it ran the shard and was closed after
+    assert spare.agent == name and spare.proc.poll() is None
+    assert _shard(engine, make_prompts, name) == {float(spare.proc.pid)}  # ran in the spare
+    assert spare.proc.poll() is not None  # and it was closed after
     [after] = agent._SPARE
     assert after is not spare and after.proc.poll() is None
 
