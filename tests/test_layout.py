@@ -85,32 +85,37 @@ def test_the_pipeline_reaches_engines_through_their_protocol_only():
     assert touching == []
 
 
-def loads_torch(code: str) -> bool:
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\n"
-                          "print('torch' in sys.modules)"],
+def torch_loaders(steps: dict[str, str]) -> list[str]:
+    """Run ``steps`` (name -> code) in order in one fresh interpreter; the names of those
+    after which torch was imported (a step that fails fails the caller)."""
+    code = ["import sys", "loaded = []"]
+    for name, step in steps.items():
+        code += [step, f"if 'torch' in sys.modules: loaded.append({name!r})"]
+    code.append("print(','.join(loaded))")
+    out = subprocess.run([sys.executable, "-c", "\n".join(code)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-1] == "True"
+    return [name for name in out.stdout.splitlines()[-1].split(",") if name]
 
 
 def test_the_command_line_loads_no_torch_for_help_config_and_report(tmp_path):
     """``--help``, ``config`` (listing and examples), config loading, ``train`` with a bad
-    key, and ``report``."""
-    assert not loads_torch("import rlhfless.pipeline.cli")
-    assert not loads_torch("from rlhfless.pipeline.cli import main\n"
-                           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass")
-    for argv in (["config"], ["config", "--example", "gsm8k"]):
-        assert not loads_torch("from rlhfless.pipeline.cli import main\n"
-                               f"assert main({argv!r}) == 0")
-    assert not loads_torch("from rlhfless.pipeline.config import load_config\n"
-                           "load_config(None, ['iterations=2'])")
-    assert not loads_torch("from rlhfless.pipeline.cli import main\n"  # a bad key: one line
-                           "assert main(['train', '--set', 'run_dir=x']) == 2")
+    key, and ``report``, one after the other in one interpreter: none imports torch."""
     run = ROOT / "tests" / "data" / "recorded_run"  # a real run directory, read only
-    assert not loads_torch("from rlhfless.pipeline.cli import main\n"
-                           f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path)!r}]) == 0")
+    steps = {
+        "import": "from rlhfless.pipeline.cli import main",
+        "--help": "try:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "config": "assert main(['config']) == 0",
+        "config --example": "assert main(['config', '--example', 'gsm8k']) == 0",
+        "load_config": "from rlhfless.pipeline.config import load_config\n"
+                       "load_config(None, ['iterations=2'])",
+        "train with a bad key": "assert main(['train', '--set', 'run_dir=x']) == 2",
+        "report": f"assert main(['report', {str(run)!r}, '-o', {str(tmp_path)!r}]) == 0",
+    }
+    assert torch_loaders(steps) == []
     assert (tmp_path / "index.html").is_file()
-    assert loads_torch("import rlhfless.pipeline.train.loop")  # the probe can see torch
+    # the probe can see torch
+    assert torch_loaders({"loop": "import rlhfless.pipeline.train.loop"}) == ["loop"]
 
 
 def test_the_tree_passes_its_linter():

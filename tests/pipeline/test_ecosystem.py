@@ -90,6 +90,7 @@ def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
     assert stepped >= len(rows)  # every episode's turns reached the environment
 
 
+@pytest.mark.slow
 def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_path):
     """``environment = "gymnasium:..."`` for every row, but ``[environments]`` gives the
     "chat" source a scripted one with its own ``env_kwargs``: one batch plays both."""

@@ -167,6 +167,7 @@ def test_prompts_given_from_python_become_files_of_the_run(tiny_model_dir, tmp_p
         given_prompts(cfg, heldout=rows(3))
 
 
+@pytest.mark.slow
 def test_train_takes_a_data_frame_and_resumes_only_with_the_same_rows(tiny_model_dir,
                                                                       tmp_path):
     import pandas as pd

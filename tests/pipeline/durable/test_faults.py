@@ -235,6 +235,7 @@ def test_a_trainer_lost_more_than_max_recoveries_ends_the_run(base_cfg):
     assert [m["iteration"] for m in records if m["event"] == "iteration"] == [1]
 
 
+@pytest.mark.slow
 def test_max_wall_s_stops_after_the_iteration_past_it(base_cfg):
     """Any positive max_wall_s shorter than one iteration: the run stops after its first
     iteration, checkpointed, with the later iterations not run."""

@@ -62,6 +62,7 @@ def _memory_state(dask_worker) -> tuple[str, float]:
     return dask_worker.status.name, rss / (memory.memory_limit * memory.memory_pause_fraction)
 
 
+@pytest.mark.slow
 def test_a_tail_cut_on_one_vllm_worker_resumes_there_or_continues_on_another(tiny_model_dir):
     """The elastic policy's chunk tasks on vLLM engines in two worker processes: a shard
     cut at a quarter finished, its tail resumed where it was cut or continued on the other

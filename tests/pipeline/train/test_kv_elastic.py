@@ -121,6 +121,7 @@ def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=Elastic
     return run, facts, scaling, cfg
 
 
+@pytest.mark.slow
 def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
     run, facts, scaling, cfg = _iteration(eos_model_dir, tmp_path)
     moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]

@@ -58,6 +58,7 @@ def test_environment_config_is_checked():
     assert Config().episode_environment == ""
 
 
+@pytest.mark.slow
 def test_turn_credit_reaches_the_trainer(tiny_model_dir, tmp_path):
     """``turn_credit = "return_to_go"``: every trained row has one turn advantage per run of
     generated tokens, the first its sequence advantage (turn 0's return is the episode's
