@@ -46,6 +46,7 @@ CHOICES = {
     "gen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "task": ("tally", "tally-tool", "tally-long"),
     "agent_host": AGENT_HOSTS,
+    "overlap_pools": ("fit_cores", "as_set"),
 }
 
 KNOBS = ScalingKnobs()
@@ -177,6 +178,9 @@ class Config:
         default_factory=lambda: {"gen": 1.0, "train": 1.0})
     gen_threads: int = 1  # torch threads per generation worker
     train_threads: int = 2  # torch threads of the trainer (resource TRAIN=1)
+    # async modes on a local CPU cluster: at most gen_workers generation workers and
+    # train_threads trainer threads, as many as fit the cores together (schedulers/pool_split.py)
+    overlap_pools: str = "fit_cores"  # fit_cores, or as_set: the pools as set
     train_workers: int = 1  # trainer ranks: > 1 forms one torch.distributed group over them
     train_parallel: str = "fsdp"  # train_workers > 1: fsdp (FSDP2 shards) | ddp (replicas)
     train_dtype: str = "float32"  # bfloat16: bf16 autocast forward/backward, fp32 master weights

@@ -19,13 +19,16 @@ plugin's veto. The fixed pools (the trainer) grow by ``scale_pool``.
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 
 from distributed import Client
 
 from rlhfless.schedulers.dask.adaptive import PoolAdaptive
 from rlhfless.schedulers.dask.plugin import ElasticityPlugin, drain_events, pool_of, set_pool_target
 from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.pool_split import PoolSplit, split_for_overlap
 
 from ..config import Config
 from .deploy import Deployment, LocalDeployment, Pool
@@ -46,6 +49,31 @@ def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
         Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
              cfg.train_gpus, tuple(cfg.train_job_directives), preload=(TRAIN_TASKS,)),
     ]
+
+
+def fit_overlap(cfg: Config) -> tuple[Config, PoolSplit | None]:
+    """An async mode whose pools share this machine's cores (a local cluster on the CPU) runs
+    the generation workers and trainer threads that fit them (``schedulers/pool_split.py``),
+    unless ``overlap_pools = "as_set"``; every other run is left as configured (batch jobs
+    have cores of their own, a GPU generates on the GPU, emulated workers sleep)."""
+    if (not cfg.mode.startswith("async") or cfg.cluster != "local" or cfg.backend == "emulated"
+            or cfg.overlap_pools != "fit_cores" or not _on_cpu(cfg.device)):
+        return cfg, None
+    split = split_for_overlap(_cores(), cfg.gen_threads, cfg.gen_workers, cfg.train_threads,
+                              cfg.train_workers)
+    return replace(cfg, gen_workers=split.gen_workers, train_threads=split.train_threads), split
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity, as a batch system or taskset sets it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _on_cpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cpu"
+    import torch
+    return not torch.cuda.is_available()
 
 
 class PoolCluster:

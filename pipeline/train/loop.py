@@ -34,7 +34,7 @@ from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
 from ..cluster.deploy import deployment_from_config
-from ..cluster.pools import PoolCluster, pools_from_config
+from ..cluster.pools import PoolCluster, fit_overlap, pools_from_config
 from ..cluster.supervise import drain_stalls, supervise
 from ..config import Config
 from ..durable import checkpoint as ckpt
@@ -107,6 +107,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
 
 def _train_in(run: RunDir, cfg: Config, progress: bool, log,
               on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
+    cfg = split_pools(run, cfg, log)
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})
@@ -183,6 +184,22 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         eg.log_queue_targets(done)
         say_stalls(run, pc, log)
     write_ledger(run, ledger, durable.totals_before)
+
+
+def split_pools(run: RunDir, cfg: Config, log) -> Config:
+    """The pools an async run on this machine's cores gets (``fit_overlap``), recorded and
+    said when they differ from the configured ones."""
+    fitted, split = fit_overlap(cfg)
+    if split is None or (fitted.gen_workers, fitted.train_threads) == (cfg.gen_workers,
+                                                                      cfg.train_threads):
+        return fitted
+    run.append_metrics({"event": "pool_split", **split.to_record(),
+                        "asked_gen_workers": cfg.gen_workers,
+                        "asked_train_threads": cfg.train_threads})
+    log(f"{cfg.mode}: {split.gen_workers} generation worker(s) and {split.train_threads} "
+        f"trainer thread(s) fit the {split.cores} cores (asked {cfg.gen_workers} and "
+        f"{cfg.train_threads}); overlap_pools = \"as_set\" keeps what was asked")
+    return fitted
 
 
 def say_stalls(run: RunDir, pc: PoolCluster, log) -> None:

@@ -4,6 +4,7 @@ its pool for), the buffer goes into the checkpoint; and the pure parts (specs, c
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -21,13 +22,14 @@ from rlhfless.pipeline.tasks.scoring import RewardSpec, advantage_task
 from rlhfless.pipeline.tasks.trainer import TrainSpec
 from rlhfless.pipeline.train.loop import train
 from rlhfless.pipeline.train.modes import mode_specs
+from rlhfless.schedulers.pool_split import split_for_overlap
 
 PARITY = {"tally": "parity_reward:parity"}  # informative groups, for replay to replay
 
 
 def _quick(tiny_model_dir, tmp_path, **kw) -> Config:
     return Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), max_new_tokens=8,
-                  heldout_prompts=4, eval_every=100, gen_workers=2, train_threads=1, **kw)
+                  heldout_prompts=4, eval_every=100, gen_workers=2, **{"train_threads": 1, **kw})
 
 
 def _iterations(run) -> list[dict]:
@@ -35,9 +37,23 @@ def _iterations(run) -> list[dict]:
 
 
 def test_async_run_keeps_every_sample_within_the_staleness_bound(tiny_model_dir, tmp_path):
+    """Also: the pools run the split that fits this machine's cores (overlap_pools =
+    "fit_cores", the default), recorded when it is not what was asked."""
     cfg = _quick(tiny_model_dir, tmp_path, mode="async", max_staleness=1, iterations=3,
-                 batch_prompts=4, n_samples=2, checkpoint_every=100)
-    run = train(cfg, progress=False, log=lambda *_: None)
+                 batch_prompts=4, n_samples=2, checkpoint_every=100, train_threads=2)
+    lines = []
+    run = train(cfg, progress=False, log=lines.append)
+    split = split_for_overlap(len(os.sched_getaffinity(0)), 1, 2, 2)
+    started = {r["name"] for r in run.read_json("ledger.json")["records"]
+               if r["kind"] == "worker" and r["pool"] == "gen"}
+    assert len(started) == split.gen_workers
+    events = [m for m in run.metrics() if m.get("event") == "pool_split"]
+    if (split.gen_workers, split.train_threads) == (2, 2):
+        assert not events
+    else:
+        assert [(e["gen_workers"], e["train_threads"], e["asked_gen_workers"])
+                for e in events] == [(split.gen_workers, split.train_threads, 2)]
+        assert any("fit the" in line and "as_set" in line for line in lines)
     records = _iterations(run)
     assert [m["iteration"] for m in records] == [1, 2, 3]
     for m in records:
