@@ -19,11 +19,16 @@ A fall is said in one line and recorded (``event = "collapse"``), once per best:
 fell is said again only after it has set a new best. Then ``on_collapse`` decides:
 
 * ``"warn"``: the run goes on.
-* ``"rollback"``: the run goes back to the newest checkpoint taken at or before the fallen
-  signal's best (``Durable.rollback``: the iterations since are dropped, as a recovery drops
-  them, and the newer checkpoints with them) and goes on with the learning rate times
+* ``"rollback"``: the run goes back to its last good state (``Durable.rollback``: the newest
+  checkpoint at or before it; the iterations since are dropped, as a recovery drops them, and
+  the newer checkpoints with them) and goes on with the learning rate times
   ``rollback_lr_factor``; the guard forgets what it saw after that checkpoint. After
-  ``max_rollbacks`` rollbacks the next fall stops the run.
+  ``max_rollbacks`` rollbacks the next fall stops the run. For a held-out fall the last good
+  state is the newest evaluation at or after the best that is within ``collapse_drop`` of it
+  and that no earlier rollback went back to (the best itself at the latest): a run that held
+  its best for 60 iterations and fell at the last goes back a few iterations, not 60 (measured:
+  async seed 1 went back from 80 to 15 when the best was the state to return to). For a
+  reward fall it is the first iteration of the best window.
 * ``"stop"``: ``Collapsed``, one line naming the checkpoint to go back to.
 
 The newest checkpoint at or before each signal's best is kept beyond ``keep_checkpoints``
@@ -85,6 +90,7 @@ class CollapseGuard:
         self.train: list[tuple[int, float, float, int]] = []  # (it, reward, length, samples)
         self.said: dict[str, int] = {}  # signal -> the best iteration its fall was said for
         self.rollbacks = 0
+        self.returned: set[int] = set()  # the states rollbacks went back to (``back_to``)
 
     @classmethod
     def from_records(cls, cfg: Config, records: list[dict]) -> CollapseGuard:
@@ -94,6 +100,7 @@ class CollapseGuard:
             if record.get("event") == "collapse" and record.get("action") == "rollback":
                 guard.rollbacks += 1  # the records after its checkpoint were dropped then
                 guard.said.clear()
+                guard.returned.add(record["back_to"])
             elif record.get("event") == "collapse":
                 guard.said[record["signal"]] = record["best_iteration"]
             else:
@@ -122,7 +129,9 @@ class CollapseGuard:
         best_at, best, n_best = max(self.heldout, key=lambda p: (p[1], p[0]))  # the latest
         at, now, n_now = self.heldout[-1]
         if now < best - self.drop and significant(best, n_best, now, n_now):
-            return Fall("heldout", at, best, best_at, best_at, now)
+            good = [it for it, acc, _ in self.heldout if it >= best_at
+                    and acc >= best - self.drop and it not in self.returned]
+            return Fall("heldout", at, best, best_at, max(good, default=best_at), now)
         return None
 
     def _averages(self) -> list[tuple[int, int, float, float, int]]:
@@ -161,6 +170,12 @@ class CollapseGuard:
         if best := self._best_average():
             anchors.append(best[0])
         return tuple(anchors)
+
+    def went_back(self, fall: Fall, iteration: int) -> None:
+        """The run went back to ``iteration`` (the checkpoint at or before ``fall.back_to``)."""
+        self.forget_after(iteration)
+        self.rollbacks += 1
+        self.returned.add(fall.back_to)
 
     def forget_after(self, iteration: int) -> None:
         """Drop what was seen after ``iteration`` (the run went back to it)."""

@@ -164,8 +164,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             if fall is not None and respond(fall, cfg, guard, run, log):
                 runner.close()  # the batches generated ahead of the fallen policy
                 done, weights = durable.rollback(fall.back_to, sampler, scaling)
-                guard.forget_after(done)
-                guard.rollbacks += 1
+                guard.went_back(fall, done)
                 lr = cfg.lr * cfg.rollback_lr_factor ** guard.rollbacks
                 runner.set_lr(lr)
                 run.append_metrics(collapse_record(fall, "rollback", iteration=done, lr=lr,

@@ -36,14 +36,28 @@ def test_heldout_falling_past_the_drop_is_said_once_per_best():
     found = falls(guard, evals(0.2, 0.6, 0.55, 0.49, 0.3))  # 0.55: within the drop
     assert len(found) == 1
     fall = found[0]
+    # back to the last good state: 10 (0.55) is within the drop of the best (5, 0.6)
     assert (fall.signal, fall.iteration, fall.best, fall.best_iteration, fall.back_to) == \
-        ("heldout", 15, 0.6, 5, 5)
+        ("heldout", 15, 0.6, 5, 10)
     assert guard.anchors() == (5,)
     assert "held-out accuracy 0.490, down from its best 0.600 at iteration 5" in fall.line()
     assert falls(guard, evals(0, 0, 0, 0, 0, 0.45)[5:]) == []  # said for this best already
     later = [{"event": "eval", "iteration": it, "heldout_accuracy": a, "heldout_n": 256}
              for it, a in ((30, 0.7), (35, 0.5))]
     assert [f.best_iteration for f in falls(guard, later)] == [30]  # a new best re-arms it
+
+
+def test_a_second_fall_from_the_same_best_goes_back_further():
+    """The run went back to 10 and fell again with no new best: 10 is not good enough to go
+    back to twice, the next good state is the best (5)."""
+    guard = CollapseGuard(drop=0.1, length_growth=1.5)
+    fall, = falls(guard, evals(0.2, 0.6, 0.55, 0.3))
+    assert fall.back_to == 10
+    guard.went_back(fall, 10)
+    assert (guard.rollbacks, guard.returned, [p[0] for p in guard.heldout]) == (1, {10},
+                                                                               [0, 5, 10])
+    again, = falls(guard, evals(0, 0, 0, 0.35)[3:])
+    assert (again.best_iteration, again.back_to) == (5, 5)
 
 
 def test_on_a_few_held_out_prompts_a_fall_must_beat_their_noise():
@@ -81,12 +95,11 @@ def test_a_guard_rebuilt_from_its_records_is_the_live_one():
     for record in records:
         live.see(record)
     fall = live.see(evals(0, 0, 0.5)[2])
-    live.forget_after(5)
-    live.rollbacks += 1
+    live.went_back(fall, 5)
     records += [collapse_record(fall, "rollback", iteration=5, lr=2.5e-4)]
     rebuilt = CollapseGuard.from_records(cfg, records)
-    assert (rebuilt.heldout, rebuilt.rollbacks, rebuilt.said) == \
-        (live.heldout, live.rollbacks, live.said)
+    assert (rebuilt.heldout, rebuilt.rollbacks, rebuilt.said, rebuilt.returned) == \
+        (live.heldout, live.rollbacks, live.said, live.returned)
     assert rebuilt.see(evals(0, 0, 0.5)[2]) is not None  # the fall was forgotten with it
 
 
