@@ -24,11 +24,13 @@ fell is said again only after it has set a new best. Then ``on_collapse`` decide
   the newer checkpoints with them) and goes on with the learning rate times
   ``rollback_lr_factor``; the guard forgets what it saw after that checkpoint. After
   ``max_rollbacks`` rollbacks the next fall stops the run. For a held-out fall the last good
-  state is the newest evaluation at or after the best that is within ``collapse_drop`` of it
-  and that no earlier rollback went back to (the best itself at the latest): a run that held
-  its best for 60 iterations and fell at the last goes back a few iterations, not 60 (measured:
-  async seed 1 went back from 80 to 15 when the best was the state to return to). For a
-  reward fall it is the first iteration of the best window.
+  state is the newest evaluation at or after the best that the held-out prompts cannot tell
+  from it (not ``Z`` standard errors below it) and that no earlier rollback went back to (the
+  best itself at the latest): a run that held its best for 60 iterations and fell at the last
+  goes back a few iterations, not 60 (measured: async seed 1 went back from 80 to 15 when the
+  best was the state to return to). "Within ``collapse_drop``" was tried and is too loose: a
+  state already 0.07 down was returned to, fell again, and the run used up its rollbacks
+  (async seed 3). For a reward fall it is the first iteration of the best window.
 * ``"stop"``: ``Collapsed``, one line naming the checkpoint to go back to.
 
 The newest checkpoint at or before each signal's best is kept beyond ``keep_checkpoints``
@@ -129,8 +131,8 @@ class CollapseGuard:
         best_at, best, n_best = max(self.heldout, key=lambda p: (p[1], p[0]))  # the latest
         at, now, n_now = self.heldout[-1]
         if now < best - self.drop and significant(best, n_best, now, n_now):
-            good = [it for it, acc, _ in self.heldout if it >= best_at
-                    and acc >= best - self.drop and it not in self.returned]
+            good = [it for it, acc, n in self.heldout if it >= best_at and it not in self.returned
+                    and not significant(best, n_best, acc, n)]
             return Fall("heldout", at, best, best_at, max(good, default=best_at), now)
         return None
 
