@@ -56,11 +56,13 @@ def render_graph(cfg, filename: str) -> str:
     from rlhfless.ops.data.schema import PROMPTS
     from rlhfless.ops.engine.publish import WeightsRef
 
+    from .cluster.pools import fit_overlap
     from .durable.runs import RunDir
     from .task_keys import STAGE_COLOURS, parse_key, stage_of
     from .train.graph import iteration_graph
     from .train.loop import make_specs
 
+    cfg, _ = fit_overlap(cfg)  # the shards the run would make
     run = RunDir(cfg.run_dir)
     specs = make_specs(cfg, cfg.model, run)
     prompts = PROMPTS.empty_table()

@@ -4,9 +4,9 @@ In sync mode generation and the update take turns: each may use every core of th
 In the async modes they run at once, so on one machine (a ``LocalCluster``) the generation
 workers' threads and the trainer's threads share its cores, and threads beyond the cores are
 time-sliced against each other: the overlap async exists for turns into contention. Measured
-on 2 cores (docs/benchmarks.md, "Async's pool split"): the default pool, 2 generation workers
-of 1 thread and a trainer of 2 threads, made async 1.17x sync; 1 worker and 1 trainer thread
-made it 1.45x.
+on 2 cores (docs/benchmarks.md#stability, seed 0, 20 iterations): the default pool, 2
+generation workers of 1 thread and a trainer of 2 threads, made async 1.17x sync; 1 worker
+and 1 trainer thread made it 1.45x.
 
 The split is a cost model of the overlapped iteration. With ``g`` generation workers of
 ``gen_threads`` threads and ``t`` threads on each of the trainer's ``train_ranks``, an
