@@ -12,8 +12,9 @@ on_collapse=warn`` leaves runs alone, to compare the guard's verdicts with the c
 Per mode: the collapse rate, the final held-out accuracy's mean and standard deviation over
 seeds, and samples/s (samples trained per second from the first iteration's start to the
 last one's end, mean and standard deviation; the held-out evaluations in between are
-included, so compare modes at the same ``--eval-every``, and use ``bench/modes.py`` for
-throughput alone).
+included, and so is the time of iterations a rollback undid, so compare modes at the same
+``--eval-every``), and ``train_samples_per_s``: the same samples over the seconds of the
+iterations the run kept (``iteration_s`` summed: no evaluation, no undone iteration).
 
 Runs go seed-major (every mode of seed 0, then of seed 1, ...), so a drift in the machine's
 load weighs on every mode alike. Prints one JSON line; each run's line goes to stderr as it
@@ -58,10 +59,12 @@ def one_run(cfg, collapse_drop: float) -> dict:
               if k in r} for r in records if r.get("event") == "collapse"]
     samples = sum(r.get("samples", 0) for r in iters)
     seconds = iters[-1]["time"] - iters[0]["time"] + iters[0].get("iteration_s", 0.0)
+    train_s = sum(r.get("iteration_s", 0.0) for r in iters)
     return {"mode": cfg.mode, "seed": cfg.seed, "curve": curve,
             **curve_facts(curve, collapse_drop),
             "length_growth": lengths[-1] / lengths[0] if lengths and lengths[0] else None,
-            "samples_per_s": samples / seconds if seconds > 0 else None, "guard": guard}
+            "samples_per_s": samples / seconds if seconds > 0 else None,
+            "train_samples_per_s": samples / train_s if train_s > 0 else None, "guard": guard}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -70,12 +73,15 @@ def summarise(runs: list[dict]) -> dict:
         mine = [r for r in runs if r["mode"] == mode]
         ends = [r["end"] for r in mine]
         rates = [r["samples_per_s"] for r in mine if r["samples_per_s"]]
+        train_rates = [r["train_samples_per_s"] for r in mine if r["train_samples_per_s"]]
         out[mode] = {"runs": len(mine), "collapse_rate": mean(r["collapsed"] for r in mine),
                      "guard_flagged_rate": mean(bool(r["guard"]) for r in mine),
                      "end_mean": mean(ends), "end_std": pstdev(ends),
                      "peak_mean": mean(r["peak"] for r in mine),
                      "samples_per_s_mean": mean(rates) if rates else None,
-                     "samples_per_s_std": pstdev(rates) if rates else None}
+                     "samples_per_s_std": pstdev(rates) if rates else None,
+                     "train_samples_per_s_mean": mean(train_rates) if train_rates else None,
+                     "train_samples_per_s_std": pstdev(train_rates) if train_rates else None}
     return out
 
 
