@@ -143,6 +143,8 @@ class Config:
     # sync | async (bounded staleness) | replay (experience replay) | async+replay (both)
     mode: str = "sync"  # sync, async, replay or async+replay
     max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
+    # stale gradients take smaller steps: at 1, async ended 0.03 below sync (docs/modes.md)
+    async_lr_factor: float = 0.5  # async modes: the update's learning rate is lr x this
     tis_cap: float = 2.0  # not sync: cap of the importance weight pi_prox / pi_behaviour
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
     replay_max_age: int = 0  # replay: a group older than this many versions is not replayed;
@@ -246,6 +248,9 @@ class Config:
         if not 0 < self.rollback_lr_factor < 1:
             raise ConfigError(f"rollback_lr_factor = {self.rollback_lr_factor} must be in "
                               "(0, 1): a rollback goes on with a lower learning rate")
+        if not 0 < self.async_lr_factor <= 1:
+            raise ConfigError(f"async_lr_factor = {self.async_lr_factor} must be in (0, 1]: "
+                              "the async modes' learning rate is lr x this (1: lr itself)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
@@ -370,6 +375,12 @@ class Config:
     def overlaps(self) -> bool:
         """Whether generation runs ahead of the update (modes async, async+replay)."""
         return self.mode in ("async", "async+replay")
+
+    @property
+    def update_lr(self) -> float:
+        """The update's learning rate in this mode: ``lr``, times ``async_lr_factor`` in the
+        async modes (before any rollback lowers it)."""
+        return self.lr * (self.async_lr_factor if self.overlaps else 1.0)
 
     @property
     def replays(self) -> bool:

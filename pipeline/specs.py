@@ -71,7 +71,7 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
             if cfg.lora_rank else None)
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
                             cfg.colocate, lora, cfg.gen_dtype, cfg.gpu_memory_utilization)
-    update = UpdateParams(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+    update = UpdateParams(lr=cfg.update_lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           micro_batch_tokens=cfg.micro_batch_tokens,
                           max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs)

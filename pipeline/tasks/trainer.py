@@ -136,6 +136,7 @@ def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSp
                                 loaded.tokenizer.pad_token_id, ref_model=state.ref,
                                 ranks=_ranks(spec))
     metrics["update_seconds"] = time.perf_counter() - started
+    metrics["lr"] = spec.update.lr
     metrics["trainer_cold_start_s"], state.cold_start_s = state.cold_start_s, 0.0
     return metrics
 

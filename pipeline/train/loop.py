@@ -108,6 +108,9 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
 def _train_in(run: RunDir, cfg: Config, progress: bool, log,
               on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
     cfg = split_pools(run, cfg, log)
+    if cfg.update_lr != cfg.lr:
+        log(f"{cfg.mode}: updates at learning rate {cfg.update_lr:.3g} (lr {cfg.lr:.3g} x "
+            f"async_lr_factor {cfg.async_lr_factor:g}); async_lr_factor = 1 keeps lr")
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})
@@ -136,7 +139,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         durable.track(runner.state_dict)
         guard = CollapseGuard.from_records(cfg, run.metrics())
         if guard.rollbacks:  # a resumed run goes on at the rate its last rollback set
-            runner.set_lr(cfg.lr * cfg.rollback_lr_factor ** guard.rollbacks)
+            runner.set_lr(cfg.update_lr * cfg.rollback_lr_factor ** guard.rollbacks)
         said_reward_errors = False
         while done < cfg.iterations:
             say_stalls(run, pc, log)
@@ -165,7 +168,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 runner.close()  # the batches generated ahead of the fallen policy
                 done, weights = durable.rollback(fall.back_to, sampler, scaling)
                 guard.went_back(fall, done)
-                lr = cfg.lr * cfg.rollback_lr_factor ** guard.rollbacks
+                lr = cfg.update_lr * cfg.rollback_lr_factor ** guard.rollbacks
                 runner.set_lr(lr)
                 run.append_metrics(collapse_record(fall, "rollback", iteration=done, lr=lr,
                                                    detected_at=fall.iteration))

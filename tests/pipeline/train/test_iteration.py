@@ -85,6 +85,7 @@ def test_training_run_yields_every_sample_once(tiny_model_dir, tmp_path):
         assert m["samples"] == 18
         assert m["prefill_tokens_saved"] > 0  # the n samples and the template share
         assert m["generate_busy_s"] > 0 and m["update_busy_s"] > 0
+        assert m["lr"] == cfg.lr  # sync updates at lr itself
         for key in ("reward_mean", "loss", "response_len_mean", "response_len_cv",
                     "grad_norm", "dedup_wall_s", "publish_wall_s"):
             assert key in m, key

@@ -56,6 +56,9 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(tiny_model_dir,
         assert any("fit the" in line and "as_set" in line for line in lines)
     records = _iterations(run)
     assert [m["iteration"] for m in records] == [1, 2, 3]
+    assert {m["lr"] for m in records} == {cfg.lr * cfg.async_lr_factor}  # said in one line
+    assert sum("updates at learning rate" in line and "async_lr_factor" in line
+               for line in lines) == 1
     for m in records:
         trainer = m["policy_version"]  # the version update i trained from: i - 1
         assert trainer == m["iteration"] - 1
@@ -185,6 +188,21 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
     assert both.train.keep_versions == 3
 
 
+def test_the_async_modes_update_at_async_lr_factor_times_lr(tmp_path):
+    """The update's learning rate (``make_specs``): ``lr`` in sync and replay, ``lr x
+    async_lr_factor`` in async and async+replay; ``async_lr_factor = 1`` keeps ``lr``."""
+    from rlhfless.pipeline.durable.runs import RunDir
+    from rlhfless.pipeline.specs import make_specs
+
+    def update_lr(**kw) -> float:
+        return make_specs(Config(lr=4e-4, **kw), tmp_path, RunDir(tmp_path)).train.update.lr
+
+    assert update_lr() == update_lr(mode="replay") == 4e-4
+    assert update_lr(mode="async") == update_lr(mode="async+replay") == 2e-4
+    assert update_lr(mode="async", async_lr_factor=0.25) == 1e-4
+    assert update_lr(mode="async", async_lr_factor=1.0) == 4e-4
+
+
 def test_every_mode_runs_at_the_default_replay_age():
     """``replay_max_age = 0`` (the default) is the least age that replays anything: 2 in
     replay, ``2 * max_staleness + 1`` in async+replay (where 2 would replay nothing)."""
@@ -206,6 +224,8 @@ def test_every_mode_runs_at_the_default_replay_age():
     ({"mode": "async+replay", "replay_max_age": 3, "replay_longest": True},
      ["replay_longest", "mode = 'replay'"]),
     ({"mode": "replay", "replay_max_skips": 0}, ["replay_max_skips", ">= 1"]),
+    ({"async_lr_factor": 0}, ["async_lr_factor = 0", "(0, 1]"]),
+    ({"async_lr_factor": 1.5}, ["async_lr_factor = 1.5", "(0, 1]"]),
     ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay', 'async+replay'"]),
 ])
 def test_mode_knobs_are_checked(values, words):
