@@ -143,8 +143,8 @@ class Config:
     # sync | async (bounded staleness) | replay (experience replay) | async+replay (both)
     mode: str = "sync"  # sync, async, replay or async+replay
     max_staleness: int = 1  # async: versions a sample may lag the trainer that consumes it
-    # stale gradients take smaller steps: at 1, async ended 0.03 below sync (docs/modes.md)
-    async_lr_factor: float = 0.5  # async modes: the update's learning rate is lr x this
+    # stale samples take smaller steps: at 1, async ended 0.03 below sync (docs/modes.md)
+    off_policy_lr_factor: float = 0.5  # not sync: the update's learning rate is lr x this
     tis_cap: float = 2.0  # not sync: cap of the importance weight pi_prox / pi_behaviour
     replay_ratio: float = 0.5  # replay: fraction of each batch's groups taken from the buffer
     replay_max_age: int = 0  # replay: a group older than this many versions is not replayed;
@@ -248,9 +248,9 @@ class Config:
         if not 0 < self.rollback_lr_factor < 1:
             raise ConfigError(f"rollback_lr_factor = {self.rollback_lr_factor} must be in "
                               "(0, 1): a rollback goes on with a lower learning rate")
-        if not 0 < self.async_lr_factor <= 1:
-            raise ConfigError(f"async_lr_factor = {self.async_lr_factor} must be in (0, 1]: "
-                              "the async modes' learning rate is lr x this (1: lr itself)")
+        if not 0 < self.off_policy_lr_factor <= 1:
+            raise ConfigError(f"off_policy_lr_factor = {self.off_policy_lr_factor} must be in "
+                              "(0, 1]: the modes other than sync update at lr x this (1: lr)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
@@ -378,9 +378,9 @@ class Config:
 
     @property
     def update_lr(self) -> float:
-        """The update's learning rate in this mode: ``lr``, times ``async_lr_factor`` in the
-        async modes (before any rollback lowers it)."""
-        return self.lr * (self.async_lr_factor if self.overlaps else 1.0)
+        """The update's learning rate in this mode (before any rollback lowers it): ``lr`` in
+        sync, times ``off_policy_lr_factor`` in the modes that train on stale samples."""
+        return self.lr * (1.0 if self.mode == "sync" else self.off_policy_lr_factor)
 
     @property
     def replays(self) -> bool:

@@ -110,7 +110,8 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     cfg = split_pools(run, cfg, log)
     if cfg.update_lr != cfg.lr:
         log(f"{cfg.mode}: updates at learning rate {cfg.update_lr:.3g} (lr {cfg.lr:.3g} x "
-            f"async_lr_factor {cfg.async_lr_factor:g}); async_lr_factor = 1 keeps lr")
+            f"off_policy_lr_factor {cfg.off_policy_lr_factor:g}); off_policy_lr_factor = 1 "
+            "keeps lr")
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
     check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})

@@ -56,8 +56,8 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(tiny_model_dir,
         assert any("fit the" in line and "as_set" in line for line in lines)
     records = _iterations(run)
     assert [m["iteration"] for m in records] == [1, 2, 3]
-    assert {m["lr"] for m in records} == {cfg.lr * cfg.async_lr_factor}  # said in one line
-    assert sum("updates at learning rate" in line and "async_lr_factor" in line
+    assert {m["lr"] for m in records} == {cfg.lr * cfg.off_policy_lr_factor}  # and said:
+    assert sum("updates at learning rate" in line and "off_policy_lr_factor" in line
                for line in lines) == 1
     for m in records:
         trainer = m["policy_version"]  # the version update i trained from: i - 1
@@ -124,6 +124,7 @@ def test_replay_with_elastic_policy_generates_only_fresh_prompts(tiny_model_dir,
         assert len(table) == m["fresh_prompts"] * cfg.n_samples
         assert set(table.column("policy_version").to_pylist()) == {m["iteration"] - 1}
         assert m["staleness_max"] <= cfg.replay_max_age
+        assert m["lr"] == cfg.lr * cfg.off_policy_lr_factor  # replayed samples are stale
     assert records[0]["replayed_groups"] == 0  # the buffer starts empty
     assert records[1]["replayed_groups"] > 0
     tables = sorted(p.name for p in run.path.glob("checkpoints/*/tables/*.parquet"))
@@ -188,19 +189,20 @@ def test_mode_specs_set_bounds_tis_and_kept_versions():
     assert both.train.keep_versions == 3
 
 
-def test_the_async_modes_update_at_async_lr_factor_times_lr(tmp_path):
-    """The update's learning rate (``make_specs``): ``lr`` in sync and replay, ``lr x
-    async_lr_factor`` in async and async+replay; ``async_lr_factor = 1`` keeps ``lr``."""
+def test_the_off_policy_modes_update_at_a_factor_of_lr(tmp_path):
+    """The update's learning rate (``make_specs``): ``lr`` in sync, ``lr x
+    off_policy_lr_factor`` in the modes that train on stale samples; 1 keeps ``lr``."""
     from rlhfless.pipeline.durable.runs import RunDir
     from rlhfless.pipeline.specs import make_specs
 
     def update_lr(**kw) -> float:
         return make_specs(Config(lr=4e-4, **kw), tmp_path, RunDir(tmp_path)).train.update.lr
 
-    assert update_lr() == update_lr(mode="replay") == 4e-4
-    assert update_lr(mode="async") == update_lr(mode="async+replay") == 2e-4
-    assert update_lr(mode="async", async_lr_factor=0.25) == 1e-4
-    assert update_lr(mode="async", async_lr_factor=1.0) == 4e-4
+    assert update_lr() == update_lr(off_policy_lr_factor=0.25) == 4e-4
+    for mode in ("async", "replay", "async+replay"):
+        assert update_lr(mode=mode) == 2e-4
+    assert update_lr(mode="replay", off_policy_lr_factor=0.25) == 1e-4
+    assert update_lr(mode="async", off_policy_lr_factor=1.0) == 4e-4
 
 
 def test_every_mode_runs_at_the_default_replay_age():
@@ -224,8 +226,8 @@ def test_every_mode_runs_at_the_default_replay_age():
     ({"mode": "async+replay", "replay_max_age": 3, "replay_longest": True},
      ["replay_longest", "mode = 'replay'"]),
     ({"mode": "replay", "replay_max_skips": 0}, ["replay_max_skips", ">= 1"]),
-    ({"async_lr_factor": 0}, ["async_lr_factor = 0", "(0, 1]"]),
-    ({"async_lr_factor": 1.5}, ["async_lr_factor = 1.5", "(0, 1]"]),
+    ({"off_policy_lr_factor": 0}, ["off_policy_lr_factor = 0", "(0, 1]"]),
+    ({"off_policy_lr_factor": 1.5}, ["off_policy_lr_factor = 1.5", "(0, 1]"]),
     ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay', 'async+replay'"]),
 ])
 def test_mode_knobs_are_checked(values, words):
