@@ -11,8 +11,10 @@ from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.train.loop import train
 
 
+# slow: test_failing_environments_end_only_their_episode (ops/rollouts/test_episode.py)
+# checks the same episodes without a cluster in the quick suite
 @pytest.mark.parametrize("policy, mode", [
-    ("static", "sync"),
+    pytest.param("static", "sync", marks=pytest.mark.slow),
     pytest.param("elastic", "sync", marks=pytest.mark.slow),
     pytest.param("static", "async", marks=pytest.mark.slow),
 ])
