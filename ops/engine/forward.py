@@ -138,10 +138,13 @@ class _PromptPass:
                       pad_id: int, temperature: float, top_p: float = 1.0) -> torch.Tensor:
         """[b, r] log-probabilities of ``responses``, row i continuing prompt ``owner[i]``."""
         ids, mask = (t.to(owner.device) for t in right_pad(responses, pad_id))
-        logits = self.last_logits[owner][:, None]  # [b, 1, V]: each first token
+        # index_select, not t[owner]: on CPU with several threads the backward of indexing
+        # (an accumulating index_put_) sums in no fixed order; index_select's repeats exactly
+        logits = self.last_logits.index_select(0, owner)[:, None]  # [b, 1, V]: first tokens
         width = ids.shape[1]
         if width > 1:  # the other tokens, on a cache of their prompts
-            cache = DynamicCache(ddp_cache_data=[(k[owner], v[owner]) for k, v in self.kv],
+            cache = DynamicCache(ddp_cache_data=[(k.index_select(0, owner),
+                                                  v.index_select(0, owner)) for k, v in self.kv],
                                  config=model.config)
             starts = self.mask.sum(-1, keepdim=True)[owner]  # [b, 1]
             out = forward_with_cache(

@@ -313,6 +313,31 @@ def test_backward_per_model_call_gives_one_backwards_gradients(model64):
         assert torch.equal(padded[name], got[name]), name
 
 
+def test_the_gradients_repeat_bit_for_bit_on_two_threads(model):
+    """Rows continue their prompt's KV by ``index_select``: indexing's backward (an
+    accumulating ``index_put_``) sums the rows of a prompt in no fixed order on several CPU
+    threads, so a seeded run's weights differed by an ulp after its first update (measured:
+    24 of 38 tensors) and its curves drifted apart; the same update now repeats exactly."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40, (24,), generator=gen).tolist() for _ in range(16)] * 8
+    responses = [torch.randint(3, 40, (12,), generator=gen).tolist() for _ in prompts]
+
+    def grads() -> dict[str, torch.Tensor]:
+        net = copy.deepcopy(model).train()
+        backward_logprobs(net, prompts, responses, 0, 1.0,
+                          lambda rows, logp, scored: (logp * scored).sum())
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first, second, third = grads(), grads(), grads()
+    finally:
+        torch.set_num_threads(threads)
+    for name, grad in first.items():
+        assert torch.equal(second[name], grad) and torch.equal(third[name], grad), name
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_loss_takes_no_step(model, tokenizer, batch, bad):
     """An advantage of NaN or inf makes the loss and gradient non-finite: the weights and the
