@@ -66,6 +66,7 @@ def test_reasoning_gym_run_from_config_alone(tiny_model_dir, tmp_path):
         assert row["reward"] == score_answer(row["response_text"], entry)
 
 
+@pytest.mark.slow  # test_adapters.py runs its episodes through the rollout loop, quick
 def test_skyrl_gym_run_from_config_alone(tiny_model_dir, tmp_path):
     skyrl = library("skyrl_gym")
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="skyrl",
@@ -124,6 +125,7 @@ def test_an_environment_per_data_source_from_config_alone(tiny_model_dir, tmp_pa
     assert sources == {"guess", "chat"}
 
 
+@pytest.mark.slow  # test_adapters.py replays its episodes in the library, quick
 def test_an_openenv_environment_runs_from_config_alone(tiny_model_dir, tmp_path):
     """``environment = "openenv:..."``: an OpenEnv ``Environment`` class run in process;
     every episode replays in the library's class, seeded by its row, to the same rewards."""

@@ -75,6 +75,8 @@ def test_async_run_keeps_every_sample_within_the_staleness_bound(tiny_model_dir,
     assert (run.weights / "v3.safetensors").exists()
 
 
+# slow: the vLLM async+replay run holds both bounds and the replay run the elastic sizing
+@pytest.mark.slow
 def test_async_replay_with_the_elastic_policy_keeps_both_bounds(tiny_model_dir, tmp_path):
     """Both modes at once under the elastic policy: batches generated ahead (the driver
     generates batch i+1 while update i runs), part of each from the buffer; fresh rows lag
