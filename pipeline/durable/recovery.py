@@ -356,9 +356,12 @@ class Durable:
         return iteration, weights
 
     def after_iteration(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-                        state: ScalingPolicy, ledger: CostLedger) -> tuple[int, WeightsRef]:
-        """Commit a checkpoint when one is due; if the trainer died meanwhile, recover."""
-        if iteration % self.cfg.checkpoint_every and iteration != self.cfg.iterations:
+                        state: ScalingPolicy, ledger: CostLedger,
+                        last: bool = False) -> tuple[int, WeightsRef]:
+        """Commit a checkpoint when one is due (always after the ``last`` iteration the run
+        makes); if the trainer died meanwhile, recover."""
+        if (iteration % self.cfg.checkpoint_every and iteration != self.cfg.iterations
+                and not last):
             return iteration, weights
         try:
             self.save(iteration, weights, sampler, state, ledger)

@@ -177,11 +177,15 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                     f"(rollback {guard.rollbacks} of at most {cfg.max_rollbacks})")
                 continue
             durable.anchors = guard.anchors()
-            done, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger)
+            out_of_time = bool(cfg.max_wall_s) and time.time() - started >= cfg.max_wall_s
+            done, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger,
+                                                    last=out_of_time)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                             heldout=f"{accuracy['heldout_accuracy']:.2f}")
-            if cfg.max_wall_s and time.time() - started >= cfg.max_wall_s:
+            if out_of_time:  # checkpointed: --resume continues
+                log(f"stopped after iteration {done} of {cfg.iterations}: max_wall_s = "
+                    f"{cfg.max_wall_s:g} s of training reached")
                 break
         runner.close()  # batches generated ahead of a stop
         eg.log_queue_targets(done)

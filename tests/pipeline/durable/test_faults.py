@@ -235,14 +235,19 @@ def test_a_trainer_lost_more_than_max_recoveries_ends_the_run(base_cfg):
     assert [m["iteration"] for m in records if m["event"] == "iteration"] == [1]
 
 
-@pytest.mark.slow
 def test_max_wall_s_stops_after_the_iteration_past_it(base_cfg):
     """Any positive max_wall_s shorter than one iteration: the run stops after its first
-    iteration, checkpointed, with the later iterations not run."""
-    run = train(replace(base_cfg, name="wall", max_wall_s=1e-6), progress=False,
-                log=lambda *_: None).path
+    iteration of three, says so, and checkpoints it though no checkpoint was due
+    (checkpoint_every = 100), with the later iterations not run."""
+    said = []
+    run = train(replace(base_cfg, name="wall", max_wall_s=1e-6, checkpoint_every=100,
+                        batch_prompts=2, n_samples=2, max_new_tokens=8, heldout_prompts=2,
+                        gen_workers=1), progress=False, log=said.append).path
     records = metrics(run)
     assert [m["iteration"] for m in records if m["event"] == "iteration"] == [1]
+    (stop,) = [line for line in said if "max_wall_s" in line]
+    assert f"iteration 1 of {ITERATIONS}" in stop
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-00000", "iter-00001"]
     assert (run / "checkpoints/iter-00001/COMMITTED").exists()
     assert not (run / "rollouts/iter-00002.parquet").exists()
 
