@@ -4,10 +4,11 @@ Where bubblewrap (``bwrap``) can make namespaces, the code runs in a fresh sandb
 
 * identity: uid/gid 65534 (``nobody``). When the run is root, bwrap runs privileged without
   a user namespace and the sandbox's init drops to the kernel's uid 65534 (keeping no
-  capability) before it unpacks or runs anything, so the code holds neither root's files
-  nor its signals; a non-root run cannot change its kernel uid, and there a user namespace
-  maps 65534 onto the run's uid (``enforced["user"]`` says which). bwrap sets
-  ``no_new_privs``: setuid binaries give nothing;
+  capability, its bounding set empty) before it unpacks or runs anything, so the code holds
+  neither root's files nor its signals; a non-root run cannot change its kernel uid, and
+  there a user namespace maps 65534 onto the run's uid. ``enforced["user"]`` is what the
+  init measured after its drop (its uid, and the uid outside when a user namespace maps it).
+  bwrap sets ``no_new_privs``: setuid binaries give nothing;
 * namespaces: its own PID, mount, network (empty: no interface but a down loopback), IPC and
   UTS namespaces, a new session, killed with the process that started it;
 * files: a read-only view of ``/usr`` (and ``/bin``, ``/lib*`` as on the host), the Python
@@ -89,18 +90,25 @@ class SandboxResult:
 
 
 # First in the sandbox: where bwrap ran privileged (the run is root), the init gives the
-# tmpfs to 65534 and becomes it, losing every capability; either way it is 65534 after.
+# tmpfs to 65534, empties its capability bounding set and becomes 65534, which leaves it no
+# permitted or effective capability; either way it is 65534 after, and it clears the
+# inheritable set (capset version 3: effective, permitted, inheritable all 0).
 _DROP = f"""
-import os
+import ctypes, os
+libc = ctypes.CDLL(None)
 if os.getuid() == 0:
     os.chown("/sandbox", {NOBODY}, {NOBODY})
+    for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
+        assert libc.prctl(24, cap, 0, 0, 0) == 0  # PR_CAPBSET_DROP
     os.setgroups([])
     os.setgid({NOBODY})
     os.setuid({NOBODY})
+assert libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()) == 0
 assert os.getuid() == {NOBODY} and os.getgid() == {NOBODY}
 """
-# Then PID 1 of the sandbox (the kernel ignores signals from the code to it): unpacks the files
-# (a tar in a memory file), runs the code with its rlimits in a forked child (one
+# Then PID 1 of the sandbox (the kernel ignores signals from the code to it): says who it is
+# (its uid, and the uid that this uid is outside: /proc/self/uid_map) on the files pipe, unpacks
+# the files (a tar in a memory file), runs the code with its rlimits in a forked child (one
 # interpreter start, not two), kills every other process of the namespace when the code
 # ends or at the deadline, then writes its status line and a tar of /sandbox to the files
 # pipe, which the code does not inherit and, this process being non-dumpable, cannot open
@@ -112,6 +120,10 @@ files_in, files_out, deadline, nproc, cpu, mem, fsize, nofile = json.loads(sys.a
 for fd in os.listdir("/proc/self/fd"):
     if int(fd) > 2 and int(fd) not in (files_in, files_out):
         os.closerange(int(fd), int(fd) + 1)
+uid = os.getuid()
+outside = [uid - int(inner) + int(outer) for inner, outer, n in
+           map(str.split, open("/proc/self/uid_map")) if int(inner) <= uid < int(inner) + int(n)]
+os.write(files_out, json.dumps({"uid": uid, "outside": outside[0]}).encode() + b"\n")
 with os.fdopen(files_in, "rb") as files, tarfile.open(fileobj=files, mode="r|") as tar:
     tar.extractall("/sandbox", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
 def limit():
@@ -178,7 +190,7 @@ def _bwrap(*command: str, disk_bytes: int) -> list[str]:
     if os.geteuid() == 0:
         who = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
-               "--cap-add", "CAP_SETGID", "--cap-add", "CAP_CHOWN"]
+               "--cap-add", "CAP_SETGID", "--cap-add", "CAP_CHOWN", "--cap-add", "CAP_SETPCAP"]
     else:
         who = ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     mounts = _mounts()
@@ -269,6 +281,17 @@ def _pack(home: Path) -> int:
     return fd
 
 
+def _user(who_line: bytes) -> str:
+    """``enforced["user"]`` from the init's first line: its uid, and the uid outside where a
+    user namespace maps it to another."""
+    if not who_line.startswith(b"{"):
+        return "unknown (the sandbox ended before its init said)"
+    who = json.loads(who_line)
+    if who["outside"] == who["uid"]:
+        return str(who["uid"])
+    return f"{who['uid']} in a user namespace (uid {who['outside']} outside)"
+
+
 def _run_bwrap(home: Path, limits: SandboxLimits) -> SandboxResult:
     deadline = time.monotonic() + limits.wall_s
     group = Cgroup.make(limits.memory_bytes + limits.disk_bytes, limits.processes)
@@ -299,15 +322,14 @@ def _run_bwrap(home: Path, limits: SandboxLimits) -> SandboxResult:
     for f in (proc.stdout, proc.stderr):
         f.close()
     os.close(files_r)
-    status_line, _, tar = got[files_r].partition(b"\n")
+    who_line, _, rest = got[files_r].partition(b"\n")
+    status_line, _, tar = rest.partition(b"\n")
     status = json.loads(status_line) if done and status_line.startswith(b"{") else None
     stderr = got[err_fd].decode(errors="replace")[:cut]
     if status is not None and not (len(got[files_r]) < files_cap and _unpack(tar, home)):
         lost = "\nerror: the sandbox's files were too many to keep; it is as before the call"
         stderr = stderr[: cut - len(lost)] + lost
-    root = os.geteuid() == 0
-    enforced = {"sandbox": "bubblewrap", "user": str(NOBODY) if root else
-                f"{NOBODY} in a user namespace (uid {os.getuid()} outside)",
+    enforced = {"sandbox": "bubblewrap", "user": _user(who_line),
                 "network": "namespace", "writes": "tmpfs",
                 "limits": "cgroup" if group else "rlimit"}
     timed_out = status is None or status["timed_out"]

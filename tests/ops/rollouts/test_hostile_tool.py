@@ -4,11 +4,12 @@ sandbox, and the call ends before the code's own holds (its sleeps of ``HOLD_S``
 
 Each test would fail on the old tool: there the code ran as the run's user (root in CI),
 saw the whole file system, shared the PID namespace and had per-process limits only. The
-tests need the bubblewrap layer; where it cannot run they skip, except under CI, where
-they fail (CI installs bubblewrap)."""
+tests need the bubblewrap layer (and the memory test a cgroup); where it cannot run they
+skip, except under ``RLHFLESS_REQUIRE_SANDBOX=1`` (``.ci/run`` sets it), where they fail."""
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -23,13 +24,19 @@ from rlhfless.ops.rollouts.sandbox import SandboxLimits, run_python
 HOLD_S = 30  # how long the code below holds the call (its sleeps); every wall limit is < 10 s
 
 
+def _unavailable(reason: str) -> None:
+    """Skip, or fail under ``RLHFLESS_REQUIRE_SANDBOX=1``."""
+    if os.environ.get("RLHFLESS_REQUIRE_SANDBOX") == "1":
+        pytest.fail(f"RLHFLESS_REQUIRE_SANDBOX=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def box(tmp_path: Path) -> Path:
     """A sandbox directory, after checking that the bubblewrap layer is the one that runs."""
     first = run_python("pass", tmp_path / "box")
     if first.enforced.get("sandbox") != "bubblewrap":
-        reason = f"bubblewrap sandbox unavailable here (ran {first.enforced})"
-        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+        _unavailable(f"the bubblewrap sandbox is unavailable here (ran {first.enforced})")
     return tmp_path / "box"
 
 
@@ -181,9 +188,11 @@ def test_memory_is_limited_across_children(box):
     ])
     out = _timed(code, box, limits)
     if out.enforced["limits"] != "cgroup":
-        pytest.skip("no cgroup here: memory is limited per process only")
+        _unavailable("no cgroup could be made here: memory is limited per process only")
     held_at_once = out.stdout.count("released")
     assert 1 <= held_at_once <= (limits.memory_bytes + limits.disk_bytes) // each, out
+    # the call's cgroups (named after this process) went with it
+    assert glob.glob(f"/sys/fs/cgroup/**/rlhfless-tool-{os.getpid()}-*", recursive=True) == []
 
 
 def test_disk_writes_are_held_to_the_disk_limit(box):
@@ -241,3 +250,48 @@ def test_files_come_back_but_links_out_do_not(box, run_dir):
     assert not any(p.is_symlink() for p in box.rglob("*"))
     again = _timed("print(open('d/e/kept.txt').read())", box, SandboxLimits())
     assert again.stdout == "kept\n"
+
+
+def _status(text: str) -> dict[str, str]:
+    """The fields of a ``/proc/<pid>/status`` text."""
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def test_the_code_runs_as_nobody_with_no_privilege_to_gain(box):
+    """Measured inside: the code's real, effective, saved and file-system uid and gid are 65534,
+    it has no supplementary group, no capability, and no_new_privs (a setuid binary gives it
+    nothing); ``enforced["user"]`` says the uid the sandbox measured."""
+    out = _timed("print(open('/proc/self/status').read())", box, SandboxLimits())
+    status = _status(out.stdout)
+    assert status["Uid"].split() == status["Gid"].split() == ["65534"] * 4, out
+    assert status["Groups"] == ""
+    # as root the init emptied the bounding set too (a user namespace's is the namespace's)
+    sets = ("CapInh", "CapPrm", "CapEff", "CapAmb") + (("CapBnd",) if os.geteuid() == 0 else ())
+    assert {c: int(status[c], 16) for c in sets} == dict.fromkeys(sets, 0), out
+    assert status["NoNewPrivs"] == "1"
+    outside = "" if os.geteuid() == 0 else f" in a user namespace (uid {os.getuid()} outside)"
+    assert out.enforced["user"] == f"65534{outside}"
+
+
+def test_the_sandbox_init_is_not_dumpable(box):
+    """The sandbox's init (PID 1) holds the pipe the files go back through. It is
+    non-dumpable (as root its drop to 65534 makes it so, and its prctl keeps it so), so the
+    code cannot open its descriptors or its memory through /proc, though it can its own; the
+    init too is 65534 with no_new_privs. Made dumpable, it lets the code open both."""
+    code = "\n".join([
+        "import os",
+        "print('own', len(os.listdir('/proc/self/fd')) > 0)",
+        "for path in ('/proc/1/fd', '/proc/1/environ', '/proc/1/mem'):",
+        "    try:",
+        "        os.listdir(path) if path.endswith('fd') else open(path, 'rb').read(1)",
+        "        print('opened', path)",
+        "    except OSError as err:",
+        "        print('refused', path, type(err).__name__)",
+        "print(open('/proc/1/status').read())",
+    ])
+    out = _timed(code, box, SandboxLimits())
+    assert out.stdout.startswith("own True\n"), out
+    assert "opened" not in out.stdout and out.stdout.count("refused") == 3, out
+    assert out.stdout.count("PermissionError") == 3
+    init = _status(out.stdout)
+    assert init["Uid"].split() == ["65534"] * 4 and init["NoNewPrivs"] == "1", out
