@@ -132,6 +132,26 @@ def test_a_request_without_the_episodes_key_is_refused(engine):
         good.completions.create(model="m", prompt="Items: fig\nAnswer:", max_tokens=3)
 
 
+def test_the_model_list_is_served_to_an_open_episodes_key_only():
+    """``GET /v1/models`` with no key, a wrong key or a closed episode's key gets 401 and
+    nothing else; with an open episode's key, the endpoint's model (the ``openai`` client's
+    ``models.list``)."""
+    server = endpoint()
+    token = server.open_episode(3)
+    models = f"{server.base_url}/models"
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": token}):
+        refused = httpx.get(models, headers=headers)
+        assert refused.status_code == 401 and set(refused.json()) == {"error"}, headers
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0) \
+            .models.list()
+    client = openai.OpenAI(base_url=server.base_url, api_key=token, max_retries=0)
+    assert [m.id for m in client.models.list()] == [server.model_name]
+    server.close_episode(token)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
 @pytest.mark.parametrize(("agent", "said"), [
     ("openai_agents:raises", "RuntimeError: the agent broke"),
     ("openai_agents:hangs", "TimeoutError: the episode ran over 2 s"),
