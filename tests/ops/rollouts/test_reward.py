@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -163,8 +162,11 @@ def test_failures_are_recorded_per_sample(release: threading.Event) -> None:
     def boom(text: str, answer: str | None) -> float:
         raise RuntimeError("bad " + "x" * 500)
 
+    hang_returned = threading.Event()
+
     def hang(text: str, answer: str | None) -> float:
         release.wait(30)
+        hang_returned.set()
         return 1.0
 
     fns = {
@@ -179,10 +181,8 @@ def test_failures_are_recorded_per_sample(release: threading.Event) -> None:
     }
     sources = ["raise", "nan", "math", "inf", "str", "none", "hang", "numpy", "bool", None]
     table = rows(*[("= 7", "7", source) for source in sources])
-    start = time.monotonic()
     scored = score(table, fns, timeout_s=0.3, fallback=-1.0)
-    elapsed = time.monotonic() - start
-    assert elapsed < 0.3 + 1.0
+    assert not hang_returned.is_set()  # the table was scored without waiting for the hang
     rewards = scored.column("reward").to_pylist()
     errors = scored.column("reward_error").to_pylist()
     assert rewards == [-1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0, 0.5, 1.0, 1.0]
