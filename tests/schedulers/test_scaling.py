@@ -165,11 +165,11 @@ def test_record_is_json_and_decision_is_fast():
     rec = json.loads(json.dumps(d.to_record()))
     assert rec["n_workers"] == d.n_workers and len(rec["candidates"]) == 160
     assert sorted(sum(rec["assignment"], [])) == list(range(1024))
-    times = []
+    times = []  # CPU seconds of this thread: what the decision costs, not how busy the machine is
     for _ in range(7):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         choose_generation_workers(pred, 8, model, max_workers=160, lambda_cost=0.5)
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     assert np.median(times) < 0.1  # issue target 30 ms; bench/scaling_decision.py measures it
 
 
