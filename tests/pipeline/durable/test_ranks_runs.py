@@ -14,11 +14,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 import torch
 import zarr
 from safetensors.torch import load_file
-from test_faults import finish, kill_when_processing, metrics, train_in_thread, wait_for
+from test_faults import (
+    ROLLOUT_COLUMNS,
+    finish,
+    kill_when_processing,
+    metrics,
+    train_in_thread,
+    wait_for,
+)
 from test_security import LOOPBACK, listening
 from test_security_private import assert_private
 
@@ -96,19 +104,36 @@ def test_two_ranks_listen_on_loopback_only_and_write_privately(two_ranks):
 @pytest.mark.parametrize(("source", "ranks"), [("two_ranks", 1), ("one_rank", 2)])
 def test_checkpoint_resumes_on_another_number_of_ranks_bitwise(source, ranks, request,
                                                               tmp_path):
+    """The source run's checkpoint of iteration 2 (the last one removed) resumes on
+    ``ranks`` ranks and trains iteration 3: its samples are the uninterrupted run's bit for
+    bit (weights, data position and draws came back whole), its weights after the update
+    are the uninterrupted run's up to the order of the ranks' float32 sums, and the
+    trainer publishes what it checkpoints."""
+    origin = request.getfixturevalue(source)
     run = tmp_path / f"{source}-on-{ranks}"
-    shutil.copytree(request.getfixturevalue(source), run)
+    shutil.copytree(origin, run)
     shutil.rmtree(run / "weights")  # what the resumed trainer publishes is all there is
-    cfg = resume_config(run, [f"train_workers={ranks}"])
-    quiet_train(cfg, resume=True)
+    shutil.rmtree(run / f"checkpoints/iter-{ITERATIONS:05d}")
+    last = f"rollouts/iter-{ITERATIONS:05d}.parquet"
+    (run / last).unlink()
+    quiet_train(resume_config(run, [f"train_workers={ranks}"]), resume=True)
+    records = metrics(run)
+    resumed = max(i for i, m in enumerate(records) if m["event"] == "resume")
+    assert records[resumed]["iteration"] == ITERATIONS - 1
+    assert [m["iteration"] for m in records[resumed:] if m["event"] == "iteration"] == [
+        ITERATIONS]
+    got, want = (pq.read_table(r / last, columns=ROLLOUT_COLUMNS).sort_by(
+        [("prompt_id", "ascending"), ("sample_idx", "ascending")]) for r in (run, origin))
+    assert len(got) == 16 and got.equals(want)
     stored = get_tensors(zarr.open_group(run / f"checkpoints/iter-{ITERATIONS:05d}",
                                          mode="r")["trainer/model"])
-    published = final_weights(run)
+    published, uninterrupted = final_weights(run), final_weights(origin)
     assert published.keys() <= stored.keys() and published
+    lr = resume_config(run, []).lr
     for name, tensor in published.items():
         assert torch.equal(tensor, stored[name]), name
-    resumed = [m for m in metrics(run) if m["event"] == "resume"]
-    assert resumed and resumed[-1]["iteration"] == ITERATIONS
+        # as test_two_ranks_train_as_one: float32 sums in another order
+        torch.testing.assert_close(tensor, uninterrupted[name], rtol=0, atol=0.05 * lr)
 
 
 def test_rank_killed_mid_update_recovers_from_checkpoint(base_cfg, two_ranks):
