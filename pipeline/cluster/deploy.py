@@ -41,6 +41,7 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 from distributed import LocalCluster, Nanny, SpecCluster
+from distributed.deploy.cluster import Cluster
 from distributed.security import Security
 
 from rlhfless.schedulers.dask.plugin import pool_of
@@ -131,7 +132,14 @@ class PoolScaling:
 
 
 class PoolLocalCluster(PoolScaling, LocalCluster):
-    """A ``LocalCluster`` of pools."""
+    """A ``LocalCluster`` of pools. A worker that dies is its nanny's to restart, however
+    long the restart takes: SpecCluster closes the nanny of a worker that is not back
+    within ``distributed.deploy.lost-worker-timeout`` (15 s, less than a worker's imports
+    take on a loaded machine), which left its pool a member short for good (a killed
+    trainer rank never came back, and the run could not form its group again)."""
+
+    def _update_worker_status(self, op, msg) -> None:
+        Cluster._update_worker_status(self, op, msg)  # SpecCluster's, without the close
 
 
 class Deployment(ABC):

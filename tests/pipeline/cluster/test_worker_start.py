@@ -4,6 +4,12 @@ worker imports its pool's task modules (``Pool.preload``) before it registers.""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import dask
+
 from rlhfless.pipeline.cluster.deploy import LocalDeployment
 from rlhfless.pipeline.cluster.pools import (
     GEN_TASKS,
@@ -44,3 +50,20 @@ def test_the_pools_workers_preload_at_once(tmp_path, monkeypatch):
     assert seen == [2, 2], "a pool's preload ended before the other pool's began"
     assert list(preloaded.values()) == [True, True]
 
+
+def test_a_killed_local_worker_comes_back_however_long_its_restart_takes():
+    """SIGKILL a worker while Dask's lost-worker timeout is shorter than any restart (a
+    process spawn and its imports): its nanny restarts it, and it stays in the pool under
+    its name (before, SpecCluster closed the restarting nanny when the timeout passed)."""
+    pools = [Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
+    with (dask.config.set({"distributed.deploy.lost-worker-timeout": "50ms"}),
+          PoolCluster(pools, CostLedger({"gen": 1.0, "train": 1.0})) as pc):
+        (address, pid), = pc.client.run(os.getpid).items()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 120
+        while set(pc.client.scheduler_info(n_workers=-1)["workers"]) in (set(), {address}):
+            assert time.time() < deadline, "the killed worker did not come back"
+            time.sleep(0.1)
+        time.sleep(0.5)  # ten lost-worker timeouts: a close would have happened by now
+        assert pc.connected() == {"train-0"} and pc.worker_names("train") == ["train-0"]
+        assert pc.client.submit(os.getpid, resources={"TRAIN": 1}).result(30) != pid
