@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from typing import get_type_hints
 
 from hypothesis import given, settings
@@ -79,15 +80,6 @@ def test_typed_values_are_a_config_or_one_line_naming_the_key(data, key):
     assert finite_floats(cfg), (key, value)
 
 
-@settings(max_examples=200, deadline=None)
-@given(item=st.text(max_size=30))
-def test_any_override_string_is_a_config_or_one_line(item):
-    try:
-        load_config(None, [item])
-    except ConfigError as err:
-        assert "\n" not in str(err) and str(err).strip()
-
-
 DEFAULTS = Config()
 FLOAT_VALUES = {"top_p": 0.5, "kl_coef": 0.1, "tis_cap": 3.0, "replay_ratio": 0.25,
                 "max_wall_s": 60.0, "reward_fallback": -1.0, "job_start_timeout_s": 30.0}
@@ -117,6 +109,56 @@ def valid_values(key: str) -> st.SearchStrategy:
 def valid_configs(draw) -> dict:
     keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
     return {key: draw(valid_values(key)) for key in keys}
+
+
+def toml_literal(value) -> str:
+    """``value`` as a TOML value (JSON's spelling of strings, numbers, booleans and lists of
+    strings is TOML's; a table is written inline)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_literal(v)}"
+                               for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+TOML_VALUES = ["1", "-3", "0.5", "1e-3", "nan", "-inf", "true", "false", "'text'", '"x"',
+               "[1, 2]", "['a']", "{a = 1}", "{}", "2024-01-01", "'unclosed"]
+
+
+@st.composite
+def overrides(draw) -> str:
+    """``key=value`` with a key of the config and, as often as not, a valid value of it,
+    else a TOML value or any text; spaces around ``=`` or not."""
+    key = draw(st.sampled_from(KEYS))
+    if draw(st.booleans()):
+        value = toml_literal(draw(valid_values(key)))
+    else:
+        value = draw(st.sampled_from(TOML_VALUES) | st.text(max_size=12))
+    return key + draw(st.sampled_from(["=", " = ", "= ", " ="])) + value
+
+
+def test_any_override_string_is_a_config_or_one_line():
+    """``key=value`` strings (a key of the config or not) and any text at all: a config, or
+    one line that names the key of a ``key=value``."""
+    outcomes = []
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(item=overrides() | st.builds("{}={}".format, st.text(max_size=8),
+                                        st.text(max_size=12)) | st.text(max_size=30))
+    def override(item):
+        try:
+            cfg = load_config(None, [item])
+        except ConfigError as err:
+            assert "\n" not in str(err) and str(err).strip()
+            if "=" in item:
+                check_rejection(err, item.split("=", 1)[0].strip())
+            outcomes.append("rejected")
+            return
+        outcomes.append("accepted" if cfg != DEFAULTS else "default")
+
+    override()
+    # both ends of a key=value reached: values taken, keys or values refused
+    assert outcomes.count("accepted") >= 10 and outcomes.count("rejected") >= 30, (
+        Counter(outcomes))
 
 
 def test_accepted_configs_survive_the_json_round_trip():
