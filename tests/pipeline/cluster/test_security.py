@@ -8,6 +8,8 @@ import ast
 import asyncio
 import os
 import shutil
+import socket
+import ssl
 import stat
 import subprocess
 from pathlib import Path
@@ -17,12 +19,13 @@ import psutil
 import pytest
 from distributed import Client
 from distributed.comm import connect
+from distributed.comm.addressing import get_address_host_port
 from distributed.security import Security
 
 from rlhfless.ops.rollouts import reward
 from rlhfless.pipeline.cluster.deploy import deployment_from_config
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
-from rlhfless.pipeline.cluster.security import make_security
+from rlhfless.pipeline.cluster.security import make_security, run_credentials
 from rlhfless.pipeline.config import ConfigError, load_config
 from rlhfless.pipeline.durable import checkpoint, zarr_state
 from rlhfless.schedulers.ledger import CostLedger
@@ -106,6 +109,24 @@ async def attempt_client(address: str, security: Security) -> None:
     await asyncio.wait_for(start(), 20)
 
 
+def first_bytes_after_handshake(address: str, ca_file: str,
+                                 cert_and_key: tuple[str, str] | None) -> bytes:
+    """Connect to ``address`` as a TLS 1.3 client that trusts ``ca_file`` (so it verifies the
+    server itself: a server it does not trust fails the handshake here, on this side),
+    presenting ``cert_and_key`` or no certificate, and read the server's first byte. In TLS 1.3
+    the server checks the client's certificate after the client finished its handshake: a
+    server that refuses it sends an alert, which the read raises (``ssl.SSLError``)."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.check_hostname = False  # the run's certificate names no host, as Dask's contexts
+    context.verify_flags &= ~ssl.VERIFY_X509_STRICT
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    if cert_and_key is not None:
+        context.load_cert_chain(*cert_and_key)
+    with socket.create_connection(get_address_host_port(address), timeout=10) as raw, \
+            context.wrap_socket(raw) as tls:
+        return tls.recv(1)
+
+
 def test_by_default_only_holders_of_the_run_credentials_reach_the_cluster(tmp_path):
     cfg = load_config(None, [f"runs_dir='{tmp_path}'"])
     deployment = deployment_from_config(cfg, tmp_path)
@@ -115,13 +136,30 @@ def test_by_default_only_holders_of_the_run_credentials_reach_the_cluster(tmp_pa
         assert scheduler.startswith("tls://127.0.0.1:")
         assert all(a.startswith("tls://127.0.0.1:") for a in workers)
         stranger = Security.temporary()  # valid TLS, but not the run's certificate
+        other = tmp_path / "other"  # a certificate and key that are not the run's
+        run_credentials(other)
+        run_ca = str(tmp_path / "tls" / "cert.pem")
         for address in (scheduler, *workers):
             with pytest.raises(TypeError, match="TLS expects a `ssl_context` argument"):
                 asyncio.run(attempt_connection(address, None))
-            with pytest.raises(OSError):  # the handshake fails: mutual authentication
+            with pytest.raises(OSError):  # the stranger does not trust the run's server
                 asyncio.run(attempt_connection(address, stranger))
-        with pytest.raises(OSError):  # and so does a client that would submit work
+            # a client that trusts the run's certificate is refused by the server, by an
+            # alert, without a certificate or with another one; with the run's it is served
+            for cert_and_key, alert in ((None, "TLSV13_ALERT_CERTIFICATE_REQUIRED"),
+                                        ((str(other / "cert.pem"), str(other / "key.pem")),
+                                         "TLSV1_ALERT_UNKNOWN_CA")):
+                with pytest.raises(ssl.SSLError) as refused:
+                    first_bytes_after_handshake(address, run_ca, cert_and_key)
+                assert refused.value.reason == alert, refused.value
+            served = (run_ca, str(tmp_path / "tls" / "key.pem"))
+            assert len(first_bytes_after_handshake(address, run_ca, served)) == 1
+        with pytest.raises(OSError):  # nor does a stranger's client that would submit work
             asyncio.run(attempt_client(scheduler, stranger))
+        half = Security(tls_ca_file=run_ca, tls_client_cert=str(other / "cert.pem"),
+                        tls_client_key=str(other / "key.pem"), require_encryption=True)
+        with pytest.raises(OSError):  # and the server refuses one that trusts the run
+            asyncio.run(attempt_client(scheduler, half))
         with Client(scheduler, security=deployment.security, timeout="10s") as owner:
             pid = owner.submit(os.getpid, resources={"GEN": 1}).result()
             assert pid != os.getpid()  # ran in a worker process
