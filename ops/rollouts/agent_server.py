@@ -17,8 +17,9 @@ server saw it (``Call``: the prompt ids after the chat template, each sample's i
 logprobs and finish reason, and its seconds); ``close_episode`` hands the record back.
 ``n`` samples of a request are drawn under their own keys, derived from the episode's key
 and the samples drawn before, so an episode replays the same draws on the same engine.
-Not served: streaming (400), and ``tool_choice`` other than "auto" / "none" is accepted but
-not enforced.
+``stream: true`` is served as server-sent events of the whole response, sampled and recorded
+as the same request unstreamed (``agent_stream.py``). ``tool_choice`` other than "auto" /
+"none" is accepted but not enforced.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.gen_stats import GenerationStats
 from ..engine.generate import SamplingParams
@@ -49,6 +50,7 @@ from .agent_render import (
     continued_prompt_ids,
     cut_at_stop,
 )
+from .agent_stream import include_usage, server_sent_events, stream_chunks
 
 
 @dataclass
@@ -182,8 +184,6 @@ class AgentEndpoint:
 
     async def sample(self, episode: _Episode, prompt_ids: list[int], body: dict) -> Call:
         """Sample the request ``body`` asks for on ``prompt_ids``; records and returns it."""
-        if body.get("stream"):
-            raise BadRequest("streaming is not served; send stream = false")
         engine = self.engine
         if engine is None:
             raise BadRequest("no engine is serving (no agent task is running)")
@@ -280,7 +280,7 @@ def build_app(endpoint: AgentEndpoint):
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
                                        "code": code}}, status_code=status)
 
-    async def served(request: Request, render) -> JSONResponse:
+    async def served(request: Request, render) -> JSONResponse | StreamingResponse:
         episode = endpoint.episode_of(request.headers.get("authorization"))
         if episode is None:
             return error(401, "no valid bearer key for an open episode", "invalid_api_key")
@@ -288,13 +288,19 @@ def build_app(endpoint: AgentEndpoint):
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            return JSONResponse(await render(episode, body))
+            usage = include_usage(body)
+            response, call = await render(episode, body)
+            if not body.get("stream"):
+                return JSONResponse(response)
+            chunks = stream_chunks(response, [ids for ids, _, _ in call.samples],
+                                   endpoint.engine.tokenizer, usage)
+            return StreamingResponse(server_sent_events(chunks), media_type="text/event-stream")
         except BadRequest as err:
             return error(400, str(err), "bad_request")
         except ValueError as err:  # malformed JSON
             return error(400, f"the request body is not JSON: {err}", "bad_request")
 
-    async def chat(episode: _Episode, body: dict) -> dict:
+    async def chat(episode: _Episode, body: dict) -> tuple[dict, Call]:
         tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
         if tok is None:
             raise BadRequest("no engine is serving (no agent task is running)")
@@ -316,9 +322,9 @@ def build_app(endpoint: AgentEndpoint):
                             "finish_reason": "tool_calls" if calls_tools else finish})
         episode.chat = (list(messages), prompt,
                         [(c["message"], s[0]) for c, s in zip(choices, call.samples)])
-        return _response("chat.completion", endpoint.model_name, call, choices)
+        return _response("chat.completion", endpoint.model_name, call, choices), call
 
-    async def completions(episode: _Episode, body: dict) -> dict:
+    async def completions(episode: _Episode, body: dict) -> tuple[dict, Call]:
         tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
         if tok is None:
             raise BadRequest("no engine is serving (no agent task is running)")
@@ -327,7 +333,7 @@ def build_app(endpoint: AgentEndpoint):
         choices = [{"index": i, "text": tok.decode(ids, skip_special_tokens=True),
                     "logprobs": None, "finish_reason": finish}
                    for i, (ids, _, finish) in enumerate(call.samples)]
-        return _response("text_completion", endpoint.model_name, call, choices)
+        return _response("text_completion", endpoint.model_name, call, choices), call
 
     @app.post("/v1/chat/completions")
     async def chat_route(request: Request):
