@@ -113,9 +113,16 @@ class PoolCluster:
                 self.client.scheduler_info(n_workers=-1)["workers"].values()}
 
     def address_of(self, name: str) -> str:
-        for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
-            if str(info["name"]) == name:
-                return address
+        """The address of worker ``name``. A worker of the cluster's plan that is not
+        connected at this moment (starting, or restarting under its nanny) is waited for
+        (``wait_for``); KeyError for a worker that left the plan."""
+        for waited in (False, True):
+            for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+                if str(info["name"]) == name:
+                    return address
+            if waited or name not in self.cluster.worker_spec:
+                break
+            self.wait_for([name])
         raise KeyError(f"worker {name!r} is not connected")
 
     def scale(self, pool: str, n: int, close: list[str] = ()) -> list[str]:
