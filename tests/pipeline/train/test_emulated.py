@@ -10,17 +10,21 @@ import pytest
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import ConfigError, make_config
 from rlhfless.pipeline.task_keys import task_key
+from rlhfless.pipeline.train import emulated
 from rlhfless.pipeline.train.emulated import (
     QUIET_WORKER_CONFIG,
     EmulatedDeployment,
     _uncovered,
     as_live,
+    prior_state,
     run_emulated,
     simulator_policy,
 )
 from rlhfless.pipeline.train.inputs import check_inputs
 from rlhfless.schedulers.ledger import CostLedger
+from rlhfless.schedulers.migration import Migration
 from rlhfless.schedulers.profiles import get_profile
+from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
 from rlhfless.schedulers.sim.workloads import WorkloadConfig, synthetic_trace
 
@@ -62,8 +66,12 @@ def test_static_run_takes_the_profiles_time_plus_the_measured_overhead(tmp_path)
 
 
 @pytest.mark.slow
-def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
+def test_elastic_run_handles_tails_and_logs_decisions(tmp_path, monkeypatch):
+    """Every paused tail is moved (the planner's own choices are tested in tests/schedulers;
+    on this small trace it keeps them in place): the runtime lands each move by
+    recomputation, the emulated engine keeping no KV cache, and loses no sample."""
     cfg = _config("elastic", tau=0.5)
+    monkeypatch.setattr(emulated, "prior_state", lambda *a: always_moving(prior_state(*a)))
     out = run_emulated(cfg, TRACE, str(tmp_path), train_gpus=1)
     for rec in out["iterations"]:
         assert rec["samples"] == rec["distinct_samples"] == 8 * 4
@@ -71,10 +79,30 @@ def test_elastic_run_handles_tails_and_logs_decisions(tmp_path):
         assert rec["step_s"] >= rec["update_s"]
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [d["iteration"] for d in decisions if d["kind"] == "scale"] == [1, 2]
-    for move in (d for d in decisions if d["kind"] == "migrate"):  # no KV cache: recompute
+    moves = [d for d in decisions if d["kind"] == "migrate"]
+    assert moves and all(m["reason"].startswith("test: always move") for m in moves), moves
+    for move in moves:  # no KV cache: recompute
         assert move["path"] == "recompute" and "keeps no exportable KV cache" in move["reason"]
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
     assert out["gen_worker_s"] > 0
+
+
+def always_moving(policy: ScalingPolicy) -> ScalingPolicy:
+    """``policy``, except that it plans two workers, keeps an idle one (a target) and moves
+    every paused tail to another worker, by KV transfer."""
+    plan = policy.plan
+    policy.plan = lambda *a, **kw: plan(*a, **kw | {"min_workers": 2})
+    policy.keeps_alive = lambda gap: True
+
+    def migrate(progress, kv_transfer=False):
+        paused = [w for w, p in progress.items() if not p.busy and len(p.seq_ids)]
+        return [Migration(source=w, target=next(t for t in progress if t != w),
+                          seq_ids=tuple(progress[w].seq_ids), recompute_tokens=0,
+                          completion_fraction=0.0, stay_seconds=1.0, move_seconds=0.5,
+                          stay_cost_ws=1.0, move_cost_ws=0.5, reason="test: always move",
+                          kv="transfer") for w in paused]
+    policy.migrate = migrate
+    return policy
 
 
 def _diagnostics() -> tuple:
