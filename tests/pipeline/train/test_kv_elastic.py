@@ -39,6 +39,7 @@ from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.durable.runs import RunDir
 from rlhfless.pipeline.specs import make_specs
 from rlhfless.pipeline.tasks.rollout import generate_chunk_task, generation_engine
+from rlhfless.pipeline.train import loop
 from rlhfless.pipeline.train.elastic import ElasticGeneration
 from rlhfless.pipeline.train.loop import train
 from rlhfless.schedulers.ledger import CostLedger
@@ -178,8 +179,22 @@ def test_a_source_dying_before_its_kv_is_fetched_loses_nothing(eos_model_dir, tm
     run.release()
 
 
+class MovingPairPolicy(MovingPolicy):
+    """``MovingPolicy`` on a pool of two whose idle worker stays: every tail has a target."""
+
+    def plan(self, *args, **kwargs):
+        return super().plan(*args, **kwargs | {"min_workers": 2})
+
+    def keeps_alive(self, gap: float) -> bool:
+        return True
+
+
 @pytest.mark.slow
-def test_training_on_the_long_tail_task_logs_its_moves(tmp_path):
+def test_training_on_the_long_tail_task_moves_its_tails_and_logs_them(tmp_path, monkeypatch):
+    """The training loop's elastic generation moves every paused tail (the planner's own
+    choices are tested in tests/schedulers): each move is logged with its path, seconds and
+    bytes, the iterations count the moved sequences, and every (prompt, sample) is once."""
+    monkeypatch.setattr(loop, "ScalingPolicy", MovingPairPolicy)
     cfg = Config(task="tally-long", runs_dir=str(tmp_path), iterations=2, batch_prompts=12,
                  n_samples=4, max_new_tokens=64, heldout_prompts=4, eval_every=2,
                  policy="elastic", gen_workers=2, lambda_cost=0.5, tau=0.4, keep_alive_s=0.0,
@@ -191,6 +206,10 @@ def test_training_on_the_long_tail_task_logs_its_moves(tmp_path):
                             table.column("sample_idx").to_pylist()))
         assert len(pairs) == 12 * 4 and set(pairs.values()) == {1}
     moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
+    assert moves and all(m["reason"].startswith("test: always move") for m in moves), moves
+    iterations = [m for m in run.metrics() if m["event"] == "iteration"]
+    assert sum(m["migrated_sequences"] for m in iterations) == sum(m["sequences"] for m in moves)
     for move in moves:
         assert move["path"] in ("transfer", "recompute")
         assert move["actual_s"] >= 0 and move["predicted_s"] > 0 and "bytes" in move
+        assert move["landed_sequences"] == move["sequences"]
