@@ -3,7 +3,8 @@
 ``evaluate`` measures held-out accuracy (over ``heldout_rollouts``, which the modes bench
 scores prompt by prompt); ``observe_iteration`` is where every driver feeds the scheduling
 policy what an iteration measured, once per iteration; ``account`` takes in the cluster's
-events and returns the iteration's worker-seconds per pool; ``say_reward_errors`` says the
+events and returns the iteration's worker-seconds per pool and where they went
+(``pool_time.py``: busy, waiting, idle, the bound); ``say_reward_errors`` says the
 first reward failures in one line; ``write_ledger`` writes ``ledger.json`` when the run ends.
 """
 
@@ -25,6 +26,7 @@ from ..config import Config
 from ..durable.runs import RunDir
 from ..specs import Specs
 from ..train.graph import rollout_graph
+from .pool_time import pool_time
 
 
 def heldout_rollouts(pc: PoolCluster, heldout: pa.Table, weights: WeightsRef, specs: Specs,
@@ -65,11 +67,17 @@ def observe_iteration(scaling: ScalingPolicy, table: pa.Table,
     return {f"len_pred_{k}": v for k, v in error.items()}
 
 
-def account(pc: PoolCluster, ledger: CostLedger, iteration: int, t0: float) -> dict:
-    """The cluster's events into the ledger; this iteration's worker-seconds per pool."""
+def account(pc: PoolCluster, ledger: CostLedger, iteration: int, t0: float,
+            tasks: list[dict], env_wait_s: float = 0.0) -> dict:
+    """The cluster's events into the ledger; this iteration's worker-seconds per pool and,
+    from the task-stream records ``tasks`` (``trace.TaskStream``) and the engines' seconds
+    waiting on environments ``env_wait_s``, their busy, waiting and idle parts and the
+    iteration's bound (``pool_time``)."""
     pc.sync_events()
-    ledger.mark("iteration", iteration, t0, time.time())
-    return worker_seconds(ledger, t0, time.time())
+    t1 = time.time()
+    ledger.mark("iteration", iteration, t0, t1)
+    return worker_seconds(ledger, t0, t1) | pool_time(tasks, ledger.records(until=t1), t0, t1,
+                                                      env_wait_s)
 
 
 def bill_env_wait(record: dict, prices: dict[str, float]) -> dict:

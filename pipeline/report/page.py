@@ -4,11 +4,13 @@
 
 writes ``DIR/index.html`` and one PNG per figure (``plots.FIGURES``): reward and held-out
 accuracy, response-length distributions, seconds per stage, the worker timeline and the
-worker-seconds (GPU·s) per iteration; then tables of the cost ledger and the scaling
-decisions, and — while the run is live — a link to its Dask dashboard (``dashboard.json``,
-written by the training loop). A figure the run cannot show yet (no ``ledger.json`` before
-the run ends) is listed as such, never drawn empty. The page references its images by
-relative path, so the directory can be copied as a whole.
+worker-seconds (GPU·s) per iteration; then tables of where each pool's worker-seconds went
+per iteration (busy, waiting, idle shares and the bound: ``pool_time.py``), the cost
+ledger and the scaling decisions, and — while the run is live — a link to its Dask
+dashboard (``dashboard.json``, written by the training loop). A figure the run cannot
+show yet (no ``ledger.json`` before the run ends) is listed as such, never drawn empty.
+The page references its images by relative path, so the directory can be copied as a
+whole.
 
 ``RunData.load`` (``run_data.py``) is also what the notebooks plot from. matplotlib (the
 ``notebooks`` and ``dev`` extras) is imported only when figures are drawn.
@@ -46,6 +48,15 @@ def ledger_rows(data: RunData) -> list[dict]:
                      "price per worker·s": prices[pool],
                      "cost": sum(r["cost"] or 0.0 for r in lives)})
     return rows
+
+
+def pool_time_rows(data: RunData) -> list[dict]:
+    """Per iteration: its bound and each pool's busy, waiting and idle shares (metrics)."""
+    parts = [f"{pool}_{part}_share" for pool in ("gen", "train")
+             for part in ("busy", "waiting", "idle")]
+    return [{"iteration": m["iteration"], "bound": m["bound"]}
+            | {p.removesuffix("_share").replace("_", " "): m.get(p) for p in parts}
+            for m in data.iterations if "bound" in m]
 
 
 def decision_rows(data: RunData) -> list[dict]:
@@ -132,6 +143,7 @@ def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
             continue
         (out / f"{key}.png").write_bytes(png_bytes(fig))
         parts.append(f"<img src='{key}.png' alt='{html.escape(title)}'>")
+    parts.append("<h2>Where the pools' time went</h2>" + html_table(pool_time_rows(data)))
     parts.append("<h2>Cost ledger</h2>" + html_table(ledger_rows(data)))
     parts.append("<h2>Scaling decisions</h2>" + html_table(decision_rows(data)))
     parts.append(f"<h2>Configuration</h2><pre>{html.escape(json.dumps(data.config, indent=1))}"

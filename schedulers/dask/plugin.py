@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.task_stream import TaskStreamPlugin
 
 if TYPE_CHECKING:
     from ..scaling_policy import PoolSizing
@@ -141,7 +142,7 @@ class ElasticityPlugin(SchedulerPlugin):
         self.events: list[tuple] = []  # (kind, t, worker name, details)
         self.targets: dict[str, int] = {}  # pool -> workers the policy wants
         self.to_close: dict[str, list[str]] = {}  # pool -> workers the policy would close
-        self._names: dict[str, str] = {}  # address -> worker name
+        self._names: dict[str, str] = {}  # address -> worker name (kept after it left)
         self.queues: defaultdict[str, QueuedWork] = defaultdict(QueuedWork)  # by pool
         self.queued_in: dict[Any, str] = {}  # key of a queued generation task -> its pool
         self.sizing: dict[str, PoolSizing] = {}  # pool -> the rule that sizes it from its queue
@@ -162,7 +163,7 @@ class ElasticityPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler=None, worker: str | None = None, *, stimulus_id=None,
                       **kwargs) -> None:
-        name = self._names.pop(worker, worker)
+        name = self._names.get(worker, worker)  # its tasks still name it (task_records)
         self.events.append(("depart", time.time(), name, {}))
 
     def drain(self) -> list[tuple]:
@@ -274,6 +275,21 @@ class ElasticityPlugin(SchedulerPlugin):
 def drain_events(dask_scheduler) -> list[tuple]:
     """For ``client.run_on_scheduler``: the plugin's events since the last drain."""
     return dask_scheduler.plugins[PLUGIN_NAME].drain()
+
+
+def task_records(dask_scheduler, since: int) -> tuple[list[dict], int]:
+    """For ``client.run_on_scheduler``: the task stream's records (Dask's ``task-stream``
+    plugin, installed here if absent) from the ``since``-th on, each with ``worker_name``
+    (the name of the worker that ran it, also one that has left since), and the index to
+    ask from next: by position, so that no record is missed or given twice."""
+    stream = dask_scheduler.plugins.get(TaskStreamPlugin.name)
+    if stream is None:
+        stream = TaskStreamPlugin(dask_scheduler)
+        dask_scheduler.add_plugin(stream)
+    names = dask_scheduler.plugins[PLUGIN_NAME]._names
+    records = [{**r, "worker_name": names.get(r["worker"], r["worker"])}
+               for r in stream.collect(start_index=since)]
+    return records, stream.index
 
 
 def set_pool_target(dask_scheduler, pool: str, n: int, close: list[str] = ()) -> None:

@@ -44,8 +44,11 @@ def test_report_of_a_finished_run_has_every_figure_as_a_valid_png(finished_run, 
         check_png(page.parent / src)
     assert "not available" not in html
     assert "Dask dashboard</a>" not in html and "has ended" in html  # the run is over
-    for heading in ("Cost ledger", "Scaling decisions", "Configuration"):
+    for heading in ("Where the pools' time went", "Cost ledger", "Scaling decisions",
+                    "Configuration"):
         assert f"<h2>{heading}</h2>" in html
+    bounds = [m["bound"] for m in RunData.load(finished_run).iterations]  # metrics.jsonl
+    assert len(bounds) == 2 and all(f"<td>{b}</td>" in html for b in bounds)
     assert html.count("<tr>") > 5  # ledger rows, decisions, summary
 
 
