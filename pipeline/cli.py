@@ -6,6 +6,7 @@
     rlhfless graph [config.toml] [--set key=value ...] [-o iteration.png]
     rlhfless simulate [scenario.toml ...] [--plan --deadline S | --budget GPU_S]
     rlhfless report runs/<name> [-o DIR]
+    rlhfless trace runs/<name> [--iterations A:B] [-o FILE]
     rlhfless config [--example NAME]
 
 A bad input ends in one line on stderr and exit status 2 (``--debug``: the traceback too);
@@ -165,6 +166,27 @@ def report_command(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def trace_command(args: argparse.Namespace) -> int:
+    from .report.trace import write_part
+
+    first, last = args.iterations
+    print(write_part(Path(args.run), first, last, args.output))
+    return 0
+
+
+def iteration_range(text: str) -> tuple[int, float]:
+    """``A:B``, ``A:`` or ``:B`` (iterations, both ends included) as (first, last)."""
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = (int(first) if first else 0, int(last) if last else float("inf"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--iterations {text!r}: give A:B, A: or :B with whole numbers, e.g. 3:5") from None
+    return bounds
+
+
 def config_command(args: argparse.Namespace) -> int:
     from .explain import example, listing
 
@@ -215,6 +237,12 @@ def run_command(argv: list[str]) -> int:
     p.add_argument("run", help="the run directory, runs/<name>")
     p.add_argument("-o", "--output", help="directory for index.html and its images "
                    "(default: RUN/report)")
+    p = sub.add_parser("trace", help="write (a part of) a run's trace for Perfetto")
+    p.set_defaults(handler=trace_command)
+    p.add_argument("run", help="the run directory, runs/<name>")
+    p.add_argument("--iterations", type=iteration_range, default=(0, float("inf")),
+                   metavar="A:B", help="only iterations A to B, both included (default: all)")
+    p.add_argument("-o", "--output", help="file to write (default: RUN/trace-A-B.json)")
     p = sub.add_parser("config", help="list every config key with its default and meaning, "
                        "or print an example config")
     p.set_defaults(handler=config_command)

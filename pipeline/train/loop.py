@@ -48,6 +48,7 @@ from ..report.bookkeeping import (
     write_ledger,
 )
 from ..report.observe import observed
+from ..report.trace import RunTrace, TaskStream
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
 from .guard import CollapseGuard, collapse_record, respond
@@ -130,6 +131,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         if pc.dashboard_link:
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
         supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
+        stream, trace = TaskStream(pc.client), RunTrace(run.path / "trace.json", resume=resume)
         eg = ElasticGeneration(pc, cfg, run, scaling)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, scaling, weights, ledger, resume=resume)
@@ -146,12 +148,17 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             say_stalls(run, pc, log)
             iteration, t0 = done + 1, time.time()
             try:
-                record, table, weights = runner.step(iteration, weights)
+                with trace.phase("step", iteration):
+                    record, table, weights = runner.step(iteration, weights)
                 durable.check_trainer()
             except Exception as err:  # re-raised unless the trainer was lost
                 done, weights = durable.recover(err, sampler, scaling)
                 continue
-            record = {"event": "iteration", **record, **account(pc, ledger, iteration, t0)}
+            tasks = stream.take()
+            with trace.phase("account", iteration):
+                record = {"event": "iteration", **record,
+                          **account(pc, ledger, iteration, t0, tasks,
+                                    record.get("env_wait_seconds") or 0.0)}
             record |= bill_env_wait(record, ledger.prices)
             run.write_rollouts(iteration, table)
             run.append_metrics(record)
@@ -161,11 +168,13 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                                                                          cfg.reward_fallback)
             fall = guard.see(record)
             if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
-                accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
+                with trace.phase("evaluate", iteration):
+                    accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
                 evaluated = {"event": "eval", "iteration": iteration, **accuracy}
                 run.append_metrics(evaluated)
                 fall = guard.see(evaluated) or fall
             if fall is not None and respond(fall, cfg, guard, run, log):
+                trace.write(tasks + stream.take(), {iteration: record}, iteration, t0, record)
                 runner.close()  # the batches generated ahead of the fallen policy
                 done, weights = durable.rollback(fall.back_to, sampler, scaling)
                 guard.went_back(fall, done)
@@ -178,11 +187,13 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                 continue
             durable.anchors = guard.anchors()
             out_of_time = bool(cfg.max_wall_s) and time.time() - started >= cfg.max_wall_s
-            done, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger,
-                                                    last=out_of_time)
+            with trace.phase("after_iteration", iteration):  # checkpoint when one is due
+                done, weights = durable.after_iteration(iteration, weights, sampler, scaling,
+                                                        ledger, last=out_of_time)
+            trace.write(tasks + stream.take(), {iteration: record}, iteration, t0, record)
             bar.update(done - bar.n)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
-                            heldout=f"{accuracy['heldout_accuracy']:.2f}")
+                            heldout=f"{accuracy['heldout_accuracy']:.2f}", **idle_shares(record))
             if out_of_time:  # checkpointed: --resume continues
                 log(f"stopped after iteration {done} of {cfg.iterations}: max_wall_s = "
                     f"{cfg.max_wall_s:g} s of training reached")
@@ -190,7 +201,16 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         runner.close()  # batches generated ahead of a stop
         eg.log_queue_targets(done)
         say_stalls(run, pc, log)
+        trace.write(stream.take(), {})
+        trace.close()
     write_ledger(run, ledger, durable.totals_before)
+
+
+def idle_shares(record: dict) -> dict:
+    """The progress line's bound and idle share per pool (``pool_time.py``)."""
+    shares = {f"{pool}_idle": f"{record[f'{pool}_idle_share']:.0%}" for pool in ("gen", "train")
+              if record.get(f"{pool}_idle_share") is not None}
+    return {"bound": record.get("bound"), **shares}
 
 
 def split_pools(run: RunDir, cfg: Config, log) -> Config:
