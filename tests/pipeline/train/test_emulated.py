@@ -6,6 +6,7 @@ import json
 
 import dask
 import pytest
+from test_kv_elastic import every_paused_tail_moves
 
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import ConfigError, make_config
@@ -22,7 +23,6 @@ from rlhfless.pipeline.train.emulated import (
 )
 from rlhfless.pipeline.train.inputs import check_inputs
 from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.migration import Migration
 from rlhfless.schedulers.profiles import get_profile
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
 from rlhfless.schedulers.sim.simulator import ClusterConfig, simulate
@@ -93,15 +93,7 @@ def always_moving(policy: ScalingPolicy) -> ScalingPolicy:
     plan = policy.plan
     policy.plan = lambda *a, **kw: plan(*a, **kw | {"min_workers": 2})
     policy.keeps_alive = lambda gap: True
-
-    def migrate(progress, kv_transfer=False):
-        paused = [w for w, p in progress.items() if not p.busy and len(p.seq_ids)]
-        return [Migration(source=w, target=next(t for t in progress if t != w),
-                          seq_ids=tuple(progress[w].seq_ids), recompute_tokens=0,
-                          completion_fraction=0.0, stay_seconds=1.0, move_seconds=0.5,
-                          stay_cost_ws=1.0, move_cost_ws=0.5, reason="test: always move",
-                          kv="transfer") for w in paused]
-    policy.migrate = migrate
+    policy.migrate = lambda progress, kv_transfer=False: every_paused_tail_moves(progress)
     return policy
 
 

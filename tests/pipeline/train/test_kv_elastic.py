@@ -56,12 +56,17 @@ class MovingPolicy(ScalingPolicy):
 
     def migrate(self, progress, kv_transfer=False):
         assert kv_transfer  # the hf backend ships KV caches
-        paused = [w for w, p in progress.items() if not p.busy and len(p.seq_ids)]
-        return [Migration(source=w, target=next(t for t in progress if t != w),
-                          seq_ids=tuple(progress[w].seq_ids), recompute_tokens=0,
-                          completion_fraction=0.0, stay_seconds=1.0, move_seconds=0.5,
-                          stay_cost_ws=1.0, move_cost_ws=0.5, reason="test: always move",
-                          kv="transfer") for w in paused]
+        return every_paused_tail_moves(progress)
+
+
+def every_paused_tail_moves(progress) -> list[Migration]:
+    """A move, by KV transfer, of every paused tail in ``progress`` to another worker."""
+    paused = [w for w, p in progress.items() if not p.busy and len(p.seq_ids)]
+    return [Migration(source=w, target=next(t for t in progress if t != w),
+                      seq_ids=tuple(progress[w].seq_ids), recompute_tokens=0,
+                      completion_fraction=0.0, stay_seconds=1.0, move_seconds=0.5,
+                      stay_cost_ws=1.0, move_cost_ws=0.5, reason="test: always move",
+                      kv="transfer") for w in paused]
 
 
 def _float64_engine(spec, weights) -> str:
