@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 from distributed import Client
+from distributed.core import Status
 
 from rlhfless.schedulers.dask.adaptive import PoolAdaptive
 from rlhfless.schedulers.dask.plugin import ElasticityPlugin, drain_events, pool_of, set_pool_target
@@ -179,12 +180,17 @@ class PoolCluster:
 
     def wait_for(self, names: list[str]) -> None:
         """Block until every worker in ``names`` is connected (by name, so that a retired
-        worker still on its way out is not counted), then take in the events."""
+        worker still on its way out is not counted) and its process handle has finished
+        starting, then take in the events. A local worker registers with the scheduler a
+        moment before its nanny's start returns; a worker killed in that moment failed its
+        nanny's start, and SpecCluster then closed the nanny, so the worker never came back."""
         timeout = self.deployment.start_timeout_s
         deadline = None if timeout is None else time.time() + timeout
         while True:
             connected = self.connected()
-            missing = [n for n in names if n not in connected]
+            handles = self.cluster.workers  # SpecCluster adds a handle once it started
+            missing = [n for n in names if n not in connected
+                       or getattr(handles.get(n), "status", None) != Status.running]
             if not missing:
                 break
             if deadline is not None and time.time() > deadline:

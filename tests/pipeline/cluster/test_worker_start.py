@@ -9,6 +9,7 @@ import signal
 import time
 
 import dask
+from distributed.nanny import WorkerProcess
 
 from rlhfless.pipeline.cluster.deploy import LocalDeployment
 from rlhfless.pipeline.cluster.pools import (
@@ -51,11 +52,17 @@ def test_the_pools_workers_preload_at_once(tmp_path, monkeypatch):
     assert list(preloaded.values()) == [True, True]
 
 
-def test_a_killed_local_worker_comes_back_however_long_its_restart_takes():
+def test_a_killed_local_worker_comes_back_however_long_its_restart_takes(monkeypatch):
     """SIGKILL a worker while Dask's lost-worker timeout is shorter than any restart (a
     process spawn and its imports): its nanny restarts it, it stays in the pool under its
     name (before, SpecCluster closed the restarting nanny when the timeout passed), and
-    ``address_of`` waits for it instead of raising while it is away."""
+    ``address_of`` waits for it instead of raising while it is away.
+
+    The nanny here notices its worker's start up to 2 s after the worker registered (a
+    loaded machine's lag, widened): the kill comes right after the cluster started, so it
+    lands in that lag unless starting waits for the nanny too (before, it failed the
+    nanny's start and SpecCluster closed the nanny for good)."""
+    monkeypatch.setattr(WorkerProcess, "_init_msg_interval", 2.0)
     pools = [Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
     with (dask.config.set({"distributed.deploy.lost-worker-timeout": "50ms"}),
           PoolCluster(pools, CostLedger({"gen": 1.0, "train": 1.0}),
