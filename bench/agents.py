@@ -42,8 +42,8 @@ def two_requests(client, row, model):
 def replay_seconds(engine, played, sampling) -> float:
     """Seconds to sample the recorded requests in-process: every episode's k-th request in
     one batch, as the endpoint batched them."""
+    from rlhfless.ops.engine.engine_types import Turn
     from rlhfless.ops.engine.gen_stats import GenerationStats
-    from rlhfless.ops.engine.protocol import Turn
 
     started = time.perf_counter()
     for k in range(max(len(calls) for _, calls in played)):
@@ -65,8 +65,9 @@ def main() -> None:
 
     from rlhfless.ops.data.load import read_prompts
     from rlhfless.ops.engine.backend import make_backend
+    from rlhfless.ops.engine.engine_types import SamplingParams
     from rlhfless.ops.engine.gen_stats import GenerationStats
-    from rlhfless.ops.engine.generate import SamplingParams, expand_samples
+    from rlhfless.ops.engine.rows import expand_samples
     from rlhfless.ops.rollouts.agent import AgentParams, play_agents
     from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 

@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.backend import make_backend
-from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.publish import publish_weights
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.config import Config

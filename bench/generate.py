@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
-from rlhfless.ops.engine.generate import SamplingParams, decode
+from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.generate import decode
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 
 

@@ -51,7 +51,7 @@ from statistics import mean
 
 import numpy as np
 
-from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.cluster.pools import PoolCluster, pools_from_config
 from rlhfless.pipeline.config import Config

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.gen_stats import GenerationStats
-from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 from rlhfless.ops.toy.tinymodel import TASK_RECIPES, ensure_tiny_model
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 from distributed import Event, as_completed, wait
 
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.pipeline.cluster.pools import PoolCluster
 from rlhfless.pipeline.task_keys import task_key
 from rlhfless.pipeline.tasks.rollout import GenSpec, generate_chunk_task, resume_task

@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.algo.update import pack_micro_batches
 from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs, right_pad
-from rlhfless.ops.engine.generate import SamplingParams, decode
+from rlhfless.ops.engine.generate import decode
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 
 

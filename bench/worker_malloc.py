@@ -34,7 +34,8 @@ def stage_seconds(model_path: str, prompts: int, samples: int) -> dict:
     from rlhfless.ops.algo.advantage import compute_advantages
     from rlhfless.ops.algo.update import UpdateParams, update_policy
     from rlhfless.ops.data.load import read_prompts
-    from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+    from rlhfless.ops.engine.engine_types import SamplingParams
+    from rlhfless.ops.engine.generate import generate_rollouts
     from rlhfless.ops.rollouts.reward import score
 
     torch.set_num_threads(1)

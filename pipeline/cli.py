@@ -55,7 +55,7 @@ def render_graph(cfg, filename: str) -> str:
     from dask.utils import key_split
 
     from rlhfless.ops.data.schema import PROMPTS
-    from rlhfless.ops.engine.publish import WeightsRef
+    from rlhfless.ops.engine.engine_types import WeightsRef
 
     from .cluster.pools import fit_overlap
     from .durable.runs import RunDir

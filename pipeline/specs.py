@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.load import LoadResult, read_prompts
-from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.agent import AgentParams

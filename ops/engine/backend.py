@@ -22,23 +22,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef
 from .gen_stats import GenerationStats
 from .generate import (
     Decoding,
-    SamplingParams,
-    expand_samples,
     generate_rollouts,
     prefill_continuations,
     prefill_prompts,
-    prefix_lens_of,
-    rollouts_table,
-    row_keys,
     run_decoding,
 )
 from .kv_transfer import TailKV, export_tail, import_tail, recompute_tail, split_tail
 from .lora import LoraSpec, add_adapters
-from .protocol import Chunk, GenerationBackend, StopRule, Turn, cut_rows
-from .publish import WeightsRef, load_weights
+from .protocol import GenerationBackend
+from .publish import load_weights
+from .rows import cut_rows, expand_samples, prefix_lens_of, rollouts_table, row_keys
 from .turns import decode_turns
 
 BACKENDS = ("hf", "vllm")

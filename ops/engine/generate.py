@@ -34,28 +34,13 @@ import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
-from ..data.schema import PROMPTS, ROLLOUTS, check_columns
+from ..data.schema import PROMPTS, check_columns
+from .engine_types import SamplingParams, check_limit
 from .forward import forward_with_cache, layer_tensors, left_pad, policy_logprobs, positions_of
 from .gen_stats import GenerationStats
 from .progress import beat
-from .seeds import index_keys, sequence_keys, uniforms
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False  # argmax decoding (evaluation); temperature then only scales logprobs
-    seed: int = 0  # the generation seed (seeds.generation_seed): keys every sequence's draws
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+from .rows import expand_samples, prefix_lens_of, rollouts_table, row_keys
+from .seeds import index_keys, uniforms
 
 
 def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
@@ -154,14 +139,6 @@ def check_context(model, longest: int) -> None:
     check_limit(longest, getattr(model.config, "max_position_embeddings", None))
 
 
-def check_limit(longest: int, limit: int | None) -> None:
-    """A ``ValueError`` when ``longest`` tokens exceed a context of ``limit`` (None: none)."""
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {limit}"
-        )
-
-
 def start_decoding(model, cache, logits, mask, next_pos, budgets: list[int],
                    keys: np.ndarray):
     """The ``Decoding`` of sequences whose prompts were prefilled (``logits``: their last)."""
@@ -173,12 +150,6 @@ def start_decoding(model, cache, logits, mask, next_pos, budgets: list[int],
         torch.tensor(budgets, device=model.device), [[] for _ in range(n_seq)],
         [[] for _ in range(n_seq)], ["length"] * n_seq, np.asarray(keys, dtype=np.uint64),
     )
-
-
-def row_keys(seed: int, rows: pa.Table) -> np.ndarray:
-    """The sampling keys of ``rows`` (one per sequence: ``prompt_id``, ``sample_idx``)."""
-    return sequence_keys(seed, rows.column("prompt_id").to_pylist(),
-                         rows.column("sample_idx").to_pylist())
 
 
 def extend_cache(model, cache: DynamicCache, past_mask: torch.Tensor, past_lens: list[int],
@@ -331,50 +302,6 @@ def decode(model, prompts: list[list[int]], n_samples: int, params: SamplingPara
     one ``(token ids, logprobs, finish_reason)`` per (prompt, sample)."""
     dec = prefill_prompts(model, prompts, n_samples, params, pad_id, prefix_lens, stats, keys)
     return run_decoding(model, dec, params, eos_id, stats).results()
-
-
-def expand_samples(prompts: pa.Table, n_samples: int) -> pa.Table:
-    """One row per (prompt, sample), prompt-major, with ``sample_idx`` appended: the row
-    order in which ``prefill_prompts`` numbers its sequences."""
-    # typed indices: an empty Python list would infer a null type that take() rejects
-    order = pa.array([i for i in range(len(prompts)) for _ in range(n_samples)], pa.int64())
-    sample_idx = pa.array([s for _ in range(len(prompts)) for s in range(n_samples)], pa.int32())
-    return prompts.take(order).append_column(ROLLOUTS.field("sample_idx"), sample_idx)
-
-
-def rollouts_table(rows: pa.Table, results: list[tuple[list[int], list[float], str]],
-                   tokenizer, *, policy_version: int, worker: str, start: float,
-                   end: float) -> pa.Table:
-    """``rows`` (one per sequence, ``sample_idx`` included) with the generation columns of
-    ``schema.ROLLOUTS`` appended from ``results`` (token ids, logprobs, finish reason)."""
-    n = len(results)
-    if n != len(rows):
-        raise ValueError(f"rollouts_table: {len(rows)} rows but {n} results")
-    # no rows: no call (some transformers releases decode an empty batch as one empty text)
-    texts = tokenizer.batch_decode([r[0] for r in results], skip_special_tokens=True) if n else []
-    added = {
-        "response_ids": pa.array([r[0] for r in results], pa.list_(pa.int32())),
-        "response_text": pa.array(texts, pa.string()),
-        "logprobs": pa.array([r[1] for r in results], pa.list_(pa.float32())),
-        "finish_reason": pa.array([r[2] for r in results], pa.string()),
-        "policy_version": pa.array([policy_version] * n, pa.int64()),
-        "worker": pa.array([worker] * n, pa.string()),
-        "gen_start": pa.array([start] * n, pa.float64()),
-        "gen_end": pa.array([end] * n, pa.float64()),
-    }
-    for name, column in added.items():
-        rows = rows.append_column(ROLLOUTS.field(name), column)
-    return rows
-
-
-def prefix_lens_of(prompts: pa.Table, share_prefixes: bool) -> list[int] | None:
-    """The sharing argument of ``prefill_prompts`` for a shard: ``None`` (no sharing at all)
-    or each prompt's shared-prefix length from the plan (0 without a plan)."""
-    if not share_prefixes:
-        return None
-    if "prefix_len" in prompts.column_names:
-        return prompts.column("prefix_len").to_pylist()
-    return [0] * len(prompts)
 
 
 def generate_rollouts(model, tokenizer, prompts: pa.Table, n_samples: int,

@@ -31,8 +31,9 @@ import pyarrow as pa
 import torch
 from transformers import DynamicCache
 
+from .engine_types import SamplingParams
 from .gen_stats import GenerationStats
-from .generate import Decoding, SamplingParams, prefill_continuations, stack_prefix_cache
+from .generate import Decoding, prefill_continuations, stack_prefix_cache
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys [1, H, T, D], values
 

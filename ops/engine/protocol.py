@@ -33,62 +33,14 @@ kept) with the behaviour policy's log-probability of each sampled token. A cut r
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
+from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef, check_limit
 from .gen_stats import GenerationStats
-from .generate import SamplingParams, check_limit, rollouts_table
-from .publish import WeightsRef
-
-
-@dataclass(frozen=True)
-class StopRule:
-    """When ``generate_until`` stops: once ``until_finished`` of the sequences are done, or
-    after a step where ``pause()`` says so (the driver wants the tail elsewhere), or at the
-    ``deadline`` (a ``time.perf_counter()`` value)."""
-
-    until_finished: float = 1.0
-    pause: Callable[[], bool] | None = None
-    deadline: float | None = None
-
-    def interrupted(self) -> bool:
-        """Whether generation should stop now, whatever is finished."""
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            return True
-        return self.pause is not None and self.pause()
-
-
-@dataclass
-class Chunk:
-    """What ``generate_until`` hands back: the finished rows (``done``, ROLLOUTS), the cut
-    ones with their tokens so far (``cut``: the shard's rows plus ``partial_ids`` and
-    ``partial_logprobs``), and the engine's own handle on them (``paused``: for
-    ``resume`` and ``export_paused`` on this engine; None when nothing was cut)."""
-
-    done: pa.Table
-    cut: pa.Table
-    stats: GenerationStats
-    paused: Any = None
-
-
-@dataclass
-class Turn:
-    """One episode's next turn for ``decode_turns``: the conversation so far as token ids
-    (prompt, every turn sampled and every observation appended, in order), the tokens it may
-    generate, its sampling key, and the engine's state kept from the episode's previous
-    turn (``cache``: None at the first; the engine sets it, and runs only the ids it has
-    not seen)."""
-
-    context: list[int]
-    budget: int
-    key: int
-    cache: Any = None
-    result: tuple[list[int], list[float], str] | None = field(default=None, repr=False)
 
 
 class GenerationBackend(ABC):
@@ -199,21 +151,3 @@ class GenerationBackend(ABC):
     @abstractmethod
     def tokenizer(self):
         """The tokenizer (``pad_token_id``, ``eos_token_id``, ``batch_decode``)."""
-
-
-def cut_rows(rows: pa.Table, results: list[tuple[list[int], list[float], str]],
-             unfinished: list[int], tokenizer, *, policy_version: int, worker: str,
-             start: float) -> tuple[pa.Table, pa.Table]:
-    """(the finished rows as rollouts, the ``unfinished`` ones as cut rows) of ``rows`` (one
-    per sequence) given every sequence's results so far."""
-    pending = set(unfinished)
-    done = [i for i in range(len(rows)) if i not in pending]
-    table = rollouts_table(rows.take(pa.array(done, pa.int64())), [results[i] for i in done],
-                           tokenizer, policy_version=policy_version, worker=worker,
-                           start=start, end=time.time())
-    cut = rows.take(pa.array(unfinished, pa.int64()))
-    cut = cut.append_column("partial_ids", pa.array([results[i][0] for i in unfinished],
-                                                    pa.list_(pa.int32())))
-    cut = cut.append_column("partial_logprobs", pa.array([results[i][1] for i in unfinished],
-                                                         pa.list_(pa.float32())))
-    return table, cut

@@ -15,13 +15,13 @@ Only the ``keep`` newest versions stay on disk.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .engine_types import WeightsRef
 from .lora import is_adapter, trainable_state
 
 
@@ -37,14 +37,6 @@ def process_umask() -> int:
     mask = os.umask(0o077)  # no /proc: the strictest in the meantime
     os.umask(mask)
     return mask
-
-
-@dataclass(frozen=True)
-class WeightsRef:
-    """Where version ``version`` of the policy lives; small enough to travel in a graph."""
-
-    version: int
-    path: str  # a safetensors file, or a Hugging Face model directory for version 0
 
 
 def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
@@ -98,18 +90,3 @@ def load_weights(model: torch.nn.Module, ref: WeightsRef) -> None:
         raise ValueError(
             f"weights {ref.path}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
         )
-
-
-def require_version(have: int, need: int, where: str, max_staleness: int = 0) -> None:
-    """A worker may generate from version ``need`` or, in async mode, from one at most
-    ``max_staleness`` versions older; never from a newer one. ``need`` is the version of the
-    trainer that will consume the samples. Synchronous mode (``max_staleness=0``): exactly
-    ``need``."""
-    if max_staleness < 0:
-        raise ValueError(f"{where}: max_staleness must be >= 0, got {max_staleness}")
-    if need - max_staleness <= have <= need:
-        return
-    if max_staleness == 0:
-        raise RuntimeError(f"{where}: engine holds policy v{have} but the task needs v{need}")
-    raise RuntimeError(f"{where}: engine holds policy v{have} but the task allows "
-                       f"v{max(0, need - max_staleness)}..v{need} (max_staleness={max_staleness})")

@@ -16,17 +16,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .engine_types import SamplingParams, Turn
 from .gen_stats import GenerationStats
-from .generate import (
-    Decoding,
-    SamplingParams,
-    extend_cache,
-    run_decoding,
-    stack_prefix_cache,
-    start_decoding,
-)
+from .generate import Decoding, extend_cache, run_decoding, stack_prefix_cache, start_decoding
 from .kv_transfer import row_kv
-from .protocol import Turn
 
 
 def _cached_len(turn: Turn) -> int:

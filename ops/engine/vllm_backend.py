@@ -64,10 +64,10 @@ import torch
 from safetensors.torch import load_file
 
 from ..data.schema import PROMPTS, check_columns
+from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef
 from .gen_stats import GenerationStats
-from .generate import SamplingParams, expand_samples, rollouts_table, row_keys
-from .protocol import Chunk, GenerationBackend, StopRule, Turn, cut_rows
-from .publish import WeightsRef
+from .protocol import GenerationBackend
+from .rows import cut_rows, expand_samples, rollouts_table, row_keys
 from .seeds import prompt_seeds, subkeys
 from .vllm_requests import run_requests, tokens_so_far
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .engine_types import StopRule
 from .gen_stats import GenerationStats
-from .protocol import StopRule
 
 _REQUEST_IDS = itertools.count()  # request names unique within the process
 

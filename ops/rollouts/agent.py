@@ -47,9 +47,10 @@ import pyarrow as pa
 
 from ..data.records import record_fields
 from ..data.schema import EPISODES
+from ..engine.engine_types import SamplingParams
 from ..engine.gen_stats import EpisodeStats, GenerationStats
-from ..engine.generate import SamplingParams, expand_samples, rollouts_table, row_keys
 from ..engine.protocol import GenerationBackend
+from ..engine.rows import expand_samples, rollouts_table, row_keys
 from .agent_binding import AGENT_HOSTS, endpoint_binding
 
 if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported where an agent runs

@@ -37,9 +37,9 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine.engine_types import SamplingParams, Turn
 from ..engine.gen_stats import GenerationStats
-from ..engine.generate import SamplingParams
-from ..engine.protocol import GenerationBackend, Turn
+from ..engine.protocol import GenerationBackend
 from ..engine.seeds import subkeys
 from .agent_binding import Binding
 from .agent_render import (

@@ -53,9 +53,10 @@ import pyarrow as pa
 
 from ..data.records import record_fields
 from ..data.schema import EPISODES, SCORED
+from ..engine.engine_types import SamplingParams, Turn
 from ..engine.gen_stats import EpisodeStats, GenerationStats
-from ..engine.generate import SamplingParams, expand_samples, rollouts_table, row_keys
-from ..engine.protocol import GenerationBackend, Turn
+from ..engine.protocol import GenerationBackend
+from ..engine.rows import expand_samples, rollouts_table, row_keys
 from ..engine.seeds import subkeys
 from .env import Environment, check_observation, check_step
 from .env_prompts import PROMPT_FROM_RESET, check_replayed

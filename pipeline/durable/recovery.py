@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.engine.engine_types import WeightsRef
 
 from ..config import Config, ConfigError, load_config
 from ..task_keys import ITERATION_STAGES, TAIL_STAGES, parse_key

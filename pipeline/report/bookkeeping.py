@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingPolicy
 

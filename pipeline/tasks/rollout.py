@@ -19,10 +19,9 @@ from typing import Any
 import pyarrow as pa
 
 from rlhfless.ops.engine.backend import make_backend
+from rlhfless.ops.engine.engine_types import SamplingParams, StopRule, WeightsRef, require_version
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
-from rlhfless.ops.engine.generate import SamplingParams
-from rlhfless.ops.engine.protocol import GenerationBackend, StopRule
-from rlhfless.ops.engine.publish import WeightsRef, require_version
+from rlhfless.ops.engine.protocol import GenerationBackend
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 

@@ -39,7 +39,7 @@ from distributed import Client, Future
 
 from rlhfless.ops.data.prefix_dedup import PrefixPlan, plan_prefixes
 from rlhfless.ops.data.shard import split_balanced
-from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.schedulers.dask.plugin import generation_work
 from rlhfless.schedulers.scaling_policy import ScalingPolicy

@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from rlhfless.ops.engine.publish import WeightsRef
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
 

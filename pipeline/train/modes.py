@@ -102,8 +102,8 @@ import pyarrow as pa
 from distributed import Future, wait
 
 from rlhfless.ops.algo.offpolicy import check_staleness
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.ops.replay.buffer import ReplayBuffer
 from rlhfless.ops.replay.stats import replay_diagnostics
 from rlhfless.schedulers.replay_share import ReplayShare

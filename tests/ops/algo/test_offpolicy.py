@@ -13,8 +13,8 @@ import torch
 from rlhfless.ops.algo.offpolicy import check_staleness, clipped_pg, tis_weights
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.data.schema import SCORED, TRAINABLE
-from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
-from rlhfless.ops.engine.publish import require_version
+from rlhfless.ops.engine.engine_types import SamplingParams, require_version
+from rlhfless.ops.engine.generate import generate_rollouts
 from rlhfless.ops.toy.tinytask import make_prompt
 
 log = math.log

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from rlhfless.ops.algo.update import UpdateParams, pack_micro_batches, update_policy
 from rlhfless.ops.data.schema import SCORED, TRAINABLE, check_columns
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import backward_logprobs, length_chunks, response_logprobs
-from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+from rlhfless.ops.engine.generate import generate_rollouts
 from rlhfless.ops.toy.tinytask import make_prompt
 
 N_SAMPLES = 2

@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.schema import ROLLOUTS, check_columns
 from rlhfless.ops.engine.backend import GenerationBackend, HFBackend, make_backend
-from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
-from rlhfless.ops.engine.publish import WeightsRef, publish_weights
+from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
+from rlhfless.ops.engine.generate import generate_rollouts
+from rlhfless.ops.engine.publish import publish_weights
 from rlhfless.ops.engine.vllm_backend import VLLMBackend
 
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)

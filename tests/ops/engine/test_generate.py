@@ -13,8 +13,9 @@ import torch
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.schema import FINISH_REASONS, ROLLOUTS, check_columns
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs, token_logprobs
-from rlhfless.ops.engine.generate import SamplingParams, generate_rollouts
+from rlhfless.ops.engine.generate import generate_rollouts
 from rlhfless.ops.toy.tinytask import make_prompt
 
 MAX_NEW = 16

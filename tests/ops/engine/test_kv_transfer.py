@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
-from rlhfless.ops.engine.generate import (
-    SamplingParams,
-    decode,
-    expand_samples,
-    prefill_prompts,
-    run_decoding,
-)
+from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.generate import decode, prefill_prompts, run_decoding
 from rlhfless.ops.engine.kv_transfer import (
     export_tail,
     import_tail,
@@ -25,6 +20,7 @@ from rlhfless.ops.engine.kv_transfer import (
     split_tail,
     take_tail,
 )
+from rlhfless.ops.engine.rows import expand_samples
 from rlhfless.ops.toy.tinytask import make_prompt
 
 N_SAMPLES = 3

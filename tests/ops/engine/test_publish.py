@@ -14,13 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from rlhfless.ops.engine.publish import (
-    WeightsRef,
-    load_weights,
-    process_umask,
-    publish_weights,
-    require_version,
-)
+from rlhfless.ops.engine.engine_types import WeightsRef, require_version
+from rlhfless.ops.engine.publish import load_weights, process_umask, publish_weights
 from rlhfless.ops.toy.tinymodel import build_model
 
 

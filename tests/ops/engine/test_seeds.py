@@ -10,17 +10,15 @@ import pyarrow as pa
 import pytest
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.generate import (
-    SamplingParams,
-    expand_samples,
     generate_rollouts,
     prefill_continuations,
     prefill_prompts,
-    prefix_lens_of,
-    row_keys,
     run_decoding,
 )
 from rlhfless.ops.engine.kv_transfer import export_tail, import_tail, take_tail
+from rlhfless.ops.engine.rows import expand_samples, prefix_lens_of, row_keys
 from rlhfless.ops.engine.seeds import generation_seed, sequence_keys, uniforms
 from rlhfless.ops.toy.tinytask import make_prompt
 

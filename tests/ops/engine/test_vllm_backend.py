@@ -27,10 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_support import require_vllm
 
 from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine.engine_types import SamplingParams, StopRule
 from rlhfless.ops.engine.forward import nucleus_mask, response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
-from rlhfless.ops.engine.generate import SamplingParams
-from rlhfless.ops.engine.protocol import StopRule
 from rlhfless.ops.engine.publish import publish_weights
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 
@@ -213,7 +212,7 @@ def test_episodes_are_sampled_then_observation_ids_in_order(engine, prompts, tra
 def test_an_agents_requests_are_served_by_vllm_token_exact(engine, prompts):
     """An agent written against the ``openai`` client, served from this engine: its second
     request continues the first token for token, and the trajectory is the recorded ids."""
-    from rlhfless.ops.engine.generate import expand_samples
+    from rlhfless.ops.engine.rows import expand_samples
     from rlhfless.ops.rollouts.agent import AgentParams, agent_rows, play_agents
 
     rows = expand_samples(prompts.slice(0, 3), 2)

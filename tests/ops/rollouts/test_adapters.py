@@ -20,7 +20,9 @@ from model_support import redraw
 from test_episode import TEXTS, play, runs, turn_tokenizer  # noqa: F401 (a fixture)
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.generate import SamplingParams, decode, expand_samples
+from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.generate import decode
+from rlhfless.ops.engine.rows import expand_samples
 from rlhfless.ops.rollouts.adapters import reasoning_gym as rg_adapter
 from rlhfless.ops.rollouts.env import StepResult
 from rlhfless.ops.rollouts.env_prompts import env_prompt_records

@@ -16,9 +16,10 @@ import torch
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
-from rlhfless.ops.engine.generate import SamplingParams, expand_samples
+from rlhfless.ops.engine.rows import expand_samples
 from rlhfless.ops.rollouts.agent import (
     AgentParams,
     agent_rows,

@@ -14,7 +14,7 @@ from distributed.security import Security
 from distributed.utils import get_ip
 
 from rlhfless.ops.engine.backend import HFBackend
-from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts import agent
 from rlhfless.ops.rollouts.agent import AgentParams, endpoint, run_agent_episodes
 from rlhfless.ops.rollouts.agent_binding import (

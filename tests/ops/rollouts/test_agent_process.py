@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlhfless.ops.engine.backend import HFBackend
-from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts import agent
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 

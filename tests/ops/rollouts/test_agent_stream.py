@@ -17,7 +17,7 @@ import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from rlhfless.ops.engine.backend import HFBackend
-from rlhfless.ops.engine.generate import SamplingParams
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts.agent_server import AgentEndpoint
 from rlhfless.ops.rollouts.agent_stream import text_pieces
 

@@ -17,8 +17,9 @@ from episode_envs import LOG
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs
-from rlhfless.ops.engine.generate import SamplingParams, decode
+from rlhfless.ops.engine.generate import decode
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes, score_episodes
 
 TEXTS = ["Count the items one by one, then give the total.\nItems: fig pear\nAnswer:",

@@ -15,8 +15,8 @@ from rlhfless.ops.algo.parallel import decoder_layers
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.data.schema import SCORED, TRAINABLE
 from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import enable_checkpointing, response_logprobs
-from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec, is_adapter
 
 ARCHITECTURES = ["LlamaConfig", "Qwen2Config", "Qwen3Config", "MistralConfig"]

@@ -29,10 +29,9 @@ from worker_support import kill_worker
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
+from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.generate import SamplingParams
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
-from rlhfless.ops.engine.publish import WeightsRef
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import Config

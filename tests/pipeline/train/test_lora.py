@@ -14,8 +14,9 @@ from test_ranks import PARAMS, trainable
 from transformers import AutoModelForCausalLM
 
 from rlhfless.ops.algo.update import update_policy
+from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.lora import LoraSpec, adapter_bytes, add_adapters, is_adapter
-from rlhfless.ops.engine.publish import WeightsRef, load_weights, publish_weights
+from rlhfless.ops.engine.publish import load_weights, publish_weights
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.durable.checkpoint import find
 from rlhfless.pipeline.durable.export import export_hf
