@@ -1,11 +1,17 @@
-"""An OpenAI-compatible endpoint on a generation worker, served from its engine, for agents.
+"""An OpenAI- and Anthropic-compatible endpoint on a generation worker, served from its
+engine, for agents.
 
-``AgentEndpoint`` serves ``POST /v1/chat/completions``, ``POST /v1/completions`` and
-``GET /v1/models`` (OpenAI's request and response shapes; FastAPI on uvicorn, in a thread of
+``AgentEndpoint`` serves ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/responses`` (OpenAI's Responses API: ``agent_responses.py``), ``POST /v1/messages``
+(Anthropic's Messages API: ``agent_messages.py``) and ``GET /v1/models`` (each API's request,
+response and error shapes; FastAPI on uvicorn, in a thread of
 the worker's process, bound to loopback by default, or to the worker's own address over
 HTTPS when the cluster speaks TLS: ``agent_binding.py``). Each episode gets its own bearer
-key (``open_episode``); a request without a key that is open gets 401 and nothing else, and a
-key stops working when its episode is closed.
+key (``open_episode``), sent as a bearer token (or, to ``/v1/messages``, as ``x-api-key``); a
+request without a key that is open gets 401 and nothing else, and a key stops working when its
+episode is closed. A Responses or Messages request is served as the chat request it amounts
+to: templated, continued, sampled and recorded as the same conversation sent as chat, so an
+episode's record does not depend on the API its agent spoke.
 
 Requests of all open episodes are batched: a dispatcher thread takes what arrives after
 the first until every episode that can send one has (the episodes the agent process runs at
@@ -41,6 +47,7 @@ from ..engine.engine_types import SamplingParams, Turn
 from ..engine.gen_stats import GenerationStats
 from ..engine.protocol import GenerationBackend
 from ..engine.seeds import subkeys
+from . import agent_messages, agent_responses
 from .agent_binding import Binding
 from .agent_render import (
     BadRequest,
@@ -50,7 +57,7 @@ from .agent_render import (
     continued_prompt_ids,
     cut_at_stop,
 )
-from .agent_stream import include_usage, server_sent_events, stream_chunks
+from .agent_stream import include_usage, named_events, server_sent_events, stream_chunks
 
 
 @dataclass
@@ -174,11 +181,16 @@ class AgentEndpoint:
         with self._lock:
             return min(self.concurrency, self._live)
 
-    def episode_of(self, authorization: str | None) -> _Episode | None:
-        if not authorization or not authorization.startswith("Bearer "):
+    def episode_of(self, authorization: str | None, api_key: str | None = None) \
+            -> _Episode | None:
+        """The open episode whose key is the bearer token of ``authorization``, or
+        ``api_key``."""
+        if authorization and authorization.startswith("Bearer "):
+            api_key = authorization[len("Bearer "):].strip()
+        if not api_key:
             return None
         with self._lock:
-            return self._episodes.get(authorization[len("Bearer "):].strip())
+            return self._episodes.get(api_key)
 
     # ---- sampling ----------------------------------------------------------------------
 
@@ -276,34 +288,45 @@ def build_app(endpoint: AgentEndpoint):
     """The FastAPI application of ``endpoint``."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
-    def error(status: int, message: str, code: str) -> JSONResponse:
+    def openai_error(status: int, message: str) -> JSONResponse:
+        code = "invalid_api_key" if status == 401 else "bad_request"
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
                                        "code": code}}, status_code=status)
 
-    async def served(request: Request, render) -> JSONResponse | StreamingResponse:
-        episode = endpoint.episode_of(request.headers.get("authorization"))
+    def anthropic_error(status: int, message: str) -> JSONResponse:
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
+                            status_code=status)
+
+    def tokenizer():
+        if endpoint.engine is None:
+            raise BadRequest("no engine is serving (no agent task is running)")
+        return endpoint.engine.tokenizer
+
+    async def served(request: Request, answer, stream, error=openai_error,
+                     api_key: str | None = None) -> JSONResponse | StreamingResponse:
+        """``answer(episode, body)`` gives the response and its ``Call``; ``stream(response,
+        call, body)`` its server-sent events when the body asks for a stream."""
+        episode = endpoint.episode_of(request.headers.get("authorization"), api_key)
         if episode is None:
-            return error(401, "no valid bearer key for an open episode", "invalid_api_key")
+            return error(401, "no valid key for an open episode")
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            usage = include_usage(body)
-            response, call = await render(episode, body)
+            response, call = await answer(episode, body)
             if not body.get("stream"):
                 return JSONResponse(response)
-            chunks = stream_chunks(response, [ids for ids, _, _ in call.samples],
-                                   endpoint.engine.tokenizer, usage)
-            return StreamingResponse(server_sent_events(chunks), media_type="text/event-stream")
+            return StreamingResponse(stream(response, call, body),
+                                     media_type="text/event-stream")
         except BadRequest as err:
-            return error(400, str(err), "bad_request")
+            return error(400, str(err))
         except ValueError as err:  # malformed JSON
-            return error(400, f"the request body is not JSON: {err}", "bad_request")
+            return error(400, f"the request body is not JSON: {err}")
 
-    async def chat(episode: _Episode, body: dict) -> tuple[dict, Call]:
-        tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
-        if tok is None:
-            raise BadRequest("no engine is serving (no agent task is running)")
+    async def chat(episode: _Episode, body: dict) -> tuple[list[dict], Call]:
+        """The choices (index, message, finish reason) of the chat request ``body``."""
+        tok = tokenizer()
         messages = body.get("messages")
         prompt = None
         if episode.chat is not None and isinstance(messages, list):
@@ -322,12 +345,16 @@ def build_app(endpoint: AgentEndpoint):
                             "finish_reason": "tool_calls" if calls_tools else finish})
         episode.chat = (list(messages), prompt,
                         [(c["message"], s[0]) for c, s in zip(choices, call.samples)])
+        return choices, call
+
+    async def chat_completion(episode: _Episode, body: dict) -> tuple[dict, Call]:
+        include_usage(body)  # refused before sampling when malformed
+        choices, call = await chat(episode, body)
         return _response("chat.completion", endpoint.model_name, call, choices), call
 
     async def completions(episode: _Episode, body: dict) -> tuple[dict, Call]:
-        tok = endpoint.engine.tokenizer if endpoint.engine is not None else None
-        if tok is None:
-            raise BadRequest("no engine is serving (no agent task is running)")
+        include_usage(body)
+        tok = tokenizer()
         call = await endpoint.sample(episode, completion_prompt_ids(tok, body.get("prompt")),
                                      body)
         choices = [{"index": i, "text": tok.decode(ids, skip_special_tokens=True),
@@ -335,18 +362,48 @@ def build_app(endpoint: AgentEndpoint):
                    for i, (ids, _, finish) in enumerate(call.samples)]
         return _response("text_completion", endpoint.model_name, call, choices), call
 
+    def chunks(response: dict, call: Call, body: dict):
+        return server_sent_events(stream_chunks(response, [ids for ids, _, _ in call.samples],
+                                                tokenizer(), include_usage(body)))
+
+    def answer_as(chat_request, build):
+        """The answer of a request of another API: its ``chat_request``'s one answer, as
+        ``build`` makes it that API's response."""
+        async def answer(episode: _Episode, body: dict) -> tuple[dict, Call]:
+            [choice], call = await chat(episode, chat_request(body))
+            return build(body, endpoint.model_name, len(call.prompt_ids),
+                         call.samples[0][0], choice), call
+        return answer
+
+    def events_as(events):
+        return lambda response, call, body: named_events(
+            events(response, call.samples[0][0], tokenizer()))
+
     @app.post("/v1/chat/completions")
     async def chat_route(request: Request):
-        return await served(request, chat)
+        return await served(request, chat_completion, chunks)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):
-        return await served(request, completions)
+        return await served(request, completions, chunks)
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request):
+        return await served(request, answer_as(agent_responses.chat_request,
+                                             agent_responses.response_object),
+                            events_as(agent_responses.response_events))
+
+    @app.post("/v1/messages")
+    async def messages_route(request: Request):
+        return await served(request, answer_as(agent_messages.chat_request,
+                                             agent_messages.message_object),
+                            events_as(agent_messages.message_events), anthropic_error,
+                            request.headers.get("x-api-key"))
 
     @app.get("/v1/models")
     async def models(request: Request):
         if endpoint.episode_of(request.headers.get("authorization")) is None:
-            return error(401, "no valid bearer key for an open episode", "invalid_api_key")
+            return openai_error(401, "no valid key for an open episode")
         return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
                                             "owned_by": "rlhfless"}]}
 

@@ -15,6 +15,8 @@ engine samples (``decode_turns`` hands back finished turns only).
   with empty text and the finish reason.
 * ``stream_options.include_usage``: every chunk has ``usage: null``, and a last chunk with no
   choices carries the response's usage. Then ``data: [DONE]``.
+* ``/v1/responses`` and ``/v1/messages``: their APIs' events (``agent_responses.py``,
+  ``agent_messages.py``), each sent named by its type (``named_events``).
 """
 
 from __future__ import annotations
@@ -103,3 +105,10 @@ def server_sent_events(chunks: list[dict]) -> Iterator[bytes]:
     for chunk in chunks:
         yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def named_events(events: list[dict]) -> Iterator[bytes]:
+    """``events`` as server-sent events named by their ``type`` (the Responses and Messages
+    APIs' streams: no ``[DONE]``)."""
+    for event in events:
+        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
