@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
+from rlhfless.ops.engine.vllm_lora import check_vllm_lora
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
@@ -311,9 +312,10 @@ class Config:
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
         if self.lora_rank and self.backend == "vllm":
-            raise ConfigError("lora_rank > 0 runs with backend = 'hf': vLLM takes adapters as "
-                              "a PEFT directory per request (LoRARequest), and publishing each "
-                              "version's adapters so is not built; use backend = 'hf'")
+            try:
+                check_vllm_lora(self.lora_rank, self.lora_target_modules)
+            except ValueError as err:
+                raise ConfigError(f"backend = 'vllm': {err}") from None
         if self.environment and ":" not in self.environment \
                 and self.environment not in BUILTIN_ENVIRONMENTS:
             raise ConfigError(f"environment = {self.environment!r}: use one of "

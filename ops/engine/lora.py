@@ -7,19 +7,23 @@ parameter. ``lora_B`` starts at zero, so a fresh adapter leaves the policy as it
 generation worker with the same spec starts at version 0 without fetching anything.
 
 What moves is the trainable part, ``trainable_state``: the published versions carry the
-adapter tensors only (``adapter_bytes`` against the full weights'), the checkpoint stores
-them and the optimizer state of them; the frozen base comes from the model directory.
+adapter tensors only (``adapter_bytes`` against the full weights'), as a PEFT adapter
+directory (``peft_state`` names them as ``PeftModel.save_pretrained`` does, which is what
+vLLM's ``LoRARequest`` reads); the checkpoint stores them and the optimizer state of them;
+the frozen base comes from the model directory.
 ``merge_adapters`` folds an adapter into plain base weights (``W + alpha/r · B A``) for an
 exported model that loads without peft.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 ADAPTER_MARK = ".lora_"  # in the name of every adapter tensor
+PEFT_PREFIX = "base_model.model."  # the prefix of a PEFT adapter file's tensor names
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,23 @@ def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
         out[f"{module}.weight"] = (weight.float() + scale * (b.float() @ a.float())
                                    ).to(weight.dtype)
     return out
+
+
+def lora_config(model: torch.nn.Module):
+    """The peft ``LoraConfig`` of the model's adapters (``add_adapters``); None without."""
+    return getattr(model, "peft_config", {}).get("default")
+
+
+def peft_state(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors named as a PEFT adapter file names them: ``<m>.lora_A.default.weight``
+    becomes ``base_model.model.<m>.lora_A.weight``."""
+    return {PEFT_PREFIX + n.replace(".default.", "."): t for n, t in adapters.items()}
+
+
+def from_peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``peft_state``: the names of the model's ``default`` adapters."""
+    return {re.sub(r"\.(lora_[AB])\.", r".\1.default.", n.removeprefix(PEFT_PREFIX)): t
+            for n, t in state.items()}
 
 
 def adapter_bytes(state: dict[str, torch.Tensor]) -> int:

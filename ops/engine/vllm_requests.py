@@ -48,9 +48,11 @@ def tokens_so_far(completion: Any) -> tuple[list[int], list[float], str]:
 
 def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
                  stats: GenerationStats, stop: StopRule | None = None,
-                 on_finish: Callable[[int, list[int]], None] | None = None) -> Outcome:
+                 on_finish: Callable[[int, list[int]], None] | None = None,
+                 lora_request: Any = None) -> Outcome:
     """Run one request per prompt (token ids, ``params[i]`` a vLLM ``SamplingParams`` with
-    n = 1) on ``engine`` until all finish or ``stop`` fires; see the module docstring."""
+    n = 1) on ``engine`` until all finish or ``stop`` fires; see the module docstring.
+    ``lora_request``: the adapter every request runs with (None: the base model)."""
     names = [f"rlhfless-{next(_REQUEST_IDS)}" for _ in prompts]
     index = {name: i for i, name in enumerate(names)}
     latest: list[Any] = [None] * len(prompts)
@@ -59,7 +61,8 @@ def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
     started = time.perf_counter()
     try:
         for name, prompt, sp in zip(names, prompts, params):
-            engine.add_request(name, {"prompt_token_ids": prompt}, sp)
+            engine.add_request(name, {"prompt_token_ids": prompt}, sp,
+                               lora_request=lora_request)
         done = 0
         while done < len(prompts):
             for out in engine.step():

@@ -26,7 +26,7 @@ from rlhfless.ops.engine.backend import load_causal_lm
 from rlhfless.ops.engine.engine_types import WeightsRef, require_version
 from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.lora import trainable_names
+from rlhfless.ops.engine.lora import lora_config, trainable_names
 from rlhfless.ops.engine.publish import publish_state, publish_weights
 
 from ..durable.checkpoint import read_trainer, write_trainer
@@ -157,8 +157,8 @@ def _publish_rank(spec: TrainSpec, version: int) -> WeightsRef | None:
     else:
         whole = full_state(state.model, keep=ranks.rank == 0,
                            names=trainable_names(loaded.model))
-        ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions)
-               if ranks.rank == 0 else None)
+        ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions,
+                             lora=lora_config(loaded.model)) if ranks.rank == 0 else None)
     loaded.version = version
     return ref
 

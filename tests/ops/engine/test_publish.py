@@ -1,5 +1,6 @@
 """Tests of weight publishing: a round trip through the store reproduces the policy
-exactly, tied embeddings included; old versions are pruned; no temporary file is left."""
+exactly, tied embeddings included; old versions are pruned; no temporary file is left; a
+LoRA version is a PEFT adapter directory that peft itself loads."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 from rlhfless.ops.engine.engine_types import WeightsRef, require_version
-from rlhfless.ops.engine.publish import load_weights, process_umask, publish_weights
+from rlhfless.ops.engine.lora import LoraSpec, add_adapters, is_adapter
+from rlhfless.ops.engine.publish import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    load_weights,
+    process_umask,
+    publish_weights,
+)
 from rlhfless.ops.toy.tinymodel import build_model
 
 
@@ -105,3 +113,46 @@ def test_published_weights_have_the_mode_the_umask_gives(model, tmp_path, umask,
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(ref.path).st_mode) == mode  # safetensors alone: 0600
+
+
+def adapted(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` with LoRA adapters whose weights are drawn under ``seed``."""
+    out = add_adapters(copy.deepcopy(model), LoraSpec(rank=4, alpha=8.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in out.named_parameters():
+            if is_adapter(name):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return out
+
+
+def test_adapters_are_a_peft_directory_that_peft_loads(model, tmp_path):
+    """A LoRA version is the adapter alone, as ``PeftModel.save_pretrained`` writes it: peft
+    itself loads it onto the base and computes what the trainer's model computes."""
+    from peft import PeftModel
+
+    trainer = adapted(model, seed=1)
+    for version in (1, 2, 3):
+        ref = publish_weights(trainer, tmp_path, version, keep=2)
+    assert ref == WeightsRef(3, str(tmp_path / "v3"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]  # no temporary left
+    assert sorted(p.name for p in (tmp_path / "v3").iterdir()) == [ADAPTER_CONFIG, ADAPTER_FILE]
+    with safe_open(str(tmp_path / "v3" / ADAPTER_FILE), "pt") as f:
+        assert f.metadata()["version"] == "3" and all(is_adapter(n) for n in f.keys())
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), ref.path)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(peft_model(input_ids=ids).logits, trainer(input_ids=ids).logits)
+
+
+def test_a_version_published_again_replaces_it_and_drops_newer_ones(model, tmp_path):
+    """A run resumed from v2 publishes v2 again: its directory is replaced whole, and v3, v4
+    (abandoned) go; our engine's adapters then load the new v2."""
+    for version in (1, 2, 3, 4):
+        publish_weights(adapted(model, seed=version), tmp_path, version, keep=3)
+    again = adapted(model, seed=20)
+    ref = publish_weights(again, tmp_path, 2, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2"]
+    generator = adapted(model, seed=0)
+    load_weights(generator, ref)
+    assert_same_state(generator, again)
