@@ -71,13 +71,24 @@ def by_chat(server, tools: bool, **sampling) -> tuple[list, list]:
     return texts, _recorded(server, token)
 
 
-def by_responses(server, tools: bool, max_tokens: int, **sampling) -> tuple[list, list]:
+def by_responses(server, tools: bool, max_tokens: int, events: list | None = None,
+                 **sampling) -> tuple[list, list]:
+    """The conversation as responses; streamed (``stream=True``, the response its last event
+    carries, its text the text deltas') when ``events`` collects the stream's events."""
     client, token = _openai(server, key=5)
     items, texts = list(ASK), []
     extra = {"tools": [{"type": "function", **FUNCTION}]} if tools else {}
     for _ in range(2):
-        response = client.responses.create(model="m", input=items, max_output_tokens=max_tokens,
-                                           **extra, **sampling)
+        request = {"model": "m", "input": items, "max_output_tokens": max_tokens, **extra,
+                   **sampling}
+        if events is None:
+            response = client.responses.create(**request)
+        else:
+            stream = list(client.responses.create(stream=True, **request))
+            events.append([(e.type, e.sequence_number) for e in stream])
+            response = stream[-1].response
+            assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") \
+                == response.output_text
         calls = [o for o in response.output if o.type == "function_call"]
         texts.append((response.output_text, [(c.name, json.loads(c.arguments))
                                               for c in calls]))
@@ -87,15 +98,24 @@ def by_responses(server, tools: bool, max_tokens: int, **sampling) -> tuple[list
     return texts, _recorded(server, token)
 
 
-def by_messages(server, tools: bool, max_tokens: int, **sampling) -> tuple[list, list]:
-    """(the client takes no ``temperature``: it goes as an extra field, which we serve)"""
+def by_messages(server, tools: bool, max_tokens: int, events: list | None = None,
+                **sampling) -> tuple[list, list]:
+    """The conversation as messages; streamed (``messages.stream``, its final message) when
+    ``events`` collects the stream's events. (The client takes no ``temperature``: it goes as
+    an extra field, which we serve.)"""
     client, token = _anthropic(server, key=5)
     messages, texts = list(ASK), []
     extra = {"tools": [{"name": FUNCTION["name"], "description": FUNCTION["description"],
                         "input_schema": FUNCTION["parameters"]}]} if tools else {}
     for _ in range(2):
-        message = client.messages.create(model="m", messages=messages, max_tokens=max_tokens,
-                                         **extra, extra_body=sampling)
+        request = {"model": "m", "messages": messages, "max_tokens": max_tokens, **extra,
+                   "extra_body": sampling}
+        if events is None:
+            message = client.messages.create(**request)
+        else:
+            with client.messages.stream(**request) as stream:
+                events.append([e.type for e in stream])
+                message = stream.get_final_message()
         uses = [b for b in message.content if b.type == "tool_use"]
         texts.append(("".join(b.text for b in message.content if b.type == "text"),
                       [(b.name, b.input) for b in uses]))
@@ -126,3 +146,32 @@ def test_a_conversation_is_recorded_the_same_whichever_api_the_agent_speaks(
         assert texts[0] == ("", [("lookup", {"box": "7"})])
     else:
         assert all(text for text, _ in texts)
+
+
+@pytest.mark.parametrize("tools", [True, False], ids=["tool call", "text"])
+def test_streamed_responses_and_messages_assemble_to_the_unstreamed_ones(
+        server, engine, tool_caller, tools):  # noqa: F811
+    """The conversation above streamed (the ``openai`` client's ``stream=True``, the
+    ``anthropic`` client's ``messages.stream`` assembling the message from the deltas): the
+    same answers and the same record as unstreamed; a text answer comes in more than one
+    text delta, a tool call's arguments in one."""
+    _serve(server, tool_caller if tools else engine)
+    sampling = {"temperature": 0} if tools else {"temperature": 1.0}
+    max_tokens = 80 if tools else 8
+    for speak in (by_responses, by_messages):
+        events: list = []
+        assert speak(server, tools, max_tokens, events, **sampling) == \
+            speak(server, tools, max_tokens, **sampling)
+        if speak is by_responses:
+            assert all([n for _, n in turn] == list(range(len(turn))) for turn in events)
+            kinds = [[kind for kind, _ in turn] for turn in events]
+            assert all(k[:2] == ["response.created", "response.in_progress"] for k in kinds)
+            assert all(k[-1] in ("response.completed", "response.incomplete") for k in kinds)
+        else:
+            kinds = events
+            assert all(k[0] == "message_start" and k[-2:] == ["message_delta", "message_stop"]
+                       for k in kinds)
+        deltas = [sum(k.count(d) for d in ("response.output_text.delta", "content_block_delta",
+                                           "response.function_call_arguments.delta"))
+                  for k in kinds]
+        assert deltas[0] == 1 if tools else all(d > 1 for d in deltas)
