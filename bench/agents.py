@@ -64,9 +64,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rlhfless.ops.data.load import read_prompts
-    from rlhfless.ops.engine.backend import make_backend
     from rlhfless.ops.engine.engine_types import SamplingParams
     from rlhfless.ops.engine.gen_stats import GenerationStats
+    from rlhfless.ops.engine.registry import EngineSpec, make_engine
     from rlhfless.ops.engine.rows import expand_samples
     from rlhfless.ops.rollouts.agent import AgentParams, play_agents
     from rlhfless.ops.toy.tinymodel import ensure_tiny_model
@@ -77,7 +77,7 @@ def main() -> None:
     prompts = read_prompts(model_dir / "train.jsonl", tok).table.slice(0, args.prompts)
     rows = expand_samples(prompts, 1)
     rows = rows.append_column("max_tokens", [[args.max_tokens] * len(rows)])
-    engine = make_backend("hf", model_dir, "cpu", threads=args.threads)
+    engine = make_engine(EngineSpec(str(model_dir), "cpu", args.threads))
     engine.load()
     # greedy: the replay samples what the endpoint sampled, token for token
     sampling = SamplingParams(max_new_tokens=args.max_tokens, greedy=True)

@@ -47,9 +47,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.backend import make_backend
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.publish import publish_weights
+from rlhfless.ops.engine.registry import EngineSpec, make_engine
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.train.loop import train
@@ -87,9 +87,9 @@ def bench_model(path: Path, prompts, store: Path, memory: float, args) -> dict:
     to ``store``; ``memory``: the vLLM engine's ``gpu_memory_utilization``."""
     engines = {}
     for name in ("vllm", "hf"):  # vLLM first: see the module docstring
-        engines[name] = make_backend(name, path, device="cpu", threads=args.threads,
-                                     dtype="float32",
-                                     gpu_memory_utilization=memory)
+        engines[name] = make_engine(EngineSpec(str(path), "cpu", args.threads, name,
+                                               dtype="float32",
+                                               gpu_memory_utilization=memory))
         engines[name].load()
     try:
         params = [SamplingParams(args.max_new_tokens, temperature=1.0, top_p=1.0, seed=r)

@@ -50,10 +50,10 @@ from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.backend import resolve_dtype
 from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
+from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.ops.toy.benchmodel import BENCH_SIZES, bench_dtype, ensure_bench_model
 from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
-from rlhfless.pipeline.tasks.engines import EngineSpec
 from rlhfless.pipeline.tasks.rollout import GenSpec, drop_task, generate_chunk_task, generate_task
 from rlhfless.pipeline.tasks.tail import (
     adopt_tails_task,

@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
+from rlhfless.ops.engine.registry import check_engine
 from rlhfless.ops.engine.vllm_lora import check_vllm_lora
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
@@ -35,7 +36,6 @@ CHOICES = {
     "replay_share": ("fixed", "adaptive"),
     "policy": ("static", "elastic"),
     "assignment": ("length", "round_robin"),
-    "backend": ("hf", "vllm", "emulated"),
     "cluster": ("local", "slurm", "pbs"),
     "device": ("auto", "cpu", "cuda"),
     "on_bad_row": ("error", "skip"),
@@ -44,7 +44,6 @@ CHOICES = {
     "on_long_prompt": ("error", "truncate", "skip"),
     "train_parallel": ("fsdp", "ddp"),
     "train_dtype": ("float32", "bfloat16"),
-    "gen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "task": ("tally", "tally-tool", "tally-long"),
     "agent_host": AGENT_HOSTS,
     "overlap_pools": ("fit_cores", "as_set"),
@@ -159,7 +158,8 @@ class Config:
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
     policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
-    backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra)
+    backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra) |
+    # emulated | a registered name (ops/engine/registry.py) | "module:Class" of your own
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
     gen_dtype: str = "auto"  # generation engine's weights: auto (bf16 on CUDA, float32 on CPU)
     # vllm on CPU: of its NUMA node's RAM, the worker's own memory included; raise it on a GPU
@@ -311,6 +311,11 @@ class Config:
                                                          and self.lora_target_modules):
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
+        if self.backend != "emulated":  # the emulated pools' tasks: pipeline/train/emulated.py
+            try:
+                check_engine(self.backend, self.gen_dtype)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if self.lora_rank and self.backend == "vllm":
             try:
                 check_vllm_lora(self.lora_rank, self.lora_target_modules)

@@ -22,6 +22,7 @@ from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.load import LoadResult, read_prompts
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
+from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.agent import AgentParams
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS
@@ -34,7 +35,6 @@ from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 
 from .config import Config, ConfigError, dataset_task
 from .durable.runs import RunDir
-from .tasks.engines import EngineSpec
 from .tasks.rollout import GenSpec
 from .tasks.scoring import RewardSpec
 from .tasks.trainer import TrainSpec
@@ -71,6 +71,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
             if cfg.lora_rank else None)
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
                             cfg.colocate, lora, cfg.gen_dtype, cfg.gpu_memory_utilization)
+    if cfg.backend != "emulated":  # the emulated pools run tasks of their own (train/emulated.py)
+        gen_engine = gen_engine.resolved()  # workers build the class the driver named
     update = UpdateParams(lr=cfg.update_lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           micro_batch_tokens=cfg.micro_batch_tokens,

@@ -1,4 +1,4 @@
-"""The transformers engine (``HFBackend``, our own decode loop) and ``make_backend``.
+"""The transformers engine (``HFBackend``, our own decode loop).
 
 ``HFBackend`` implements the engine protocol (``protocol.py``, where the call order is) over
 a transformers causal LM: ``generate`` prefills shared prefixes once per call
@@ -6,9 +6,8 @@ a transformers causal LM: ``generate`` prefills shared prefixes once per call
 update); ``generate_until`` keeps the cut rows' decoding, KV cache and all, as its paused
 handle, which ``resume`` finishes in place or ``export_paused`` / ``adopt`` move to another
 worker (``kv_transfer.py``); ``decode_turns`` keeps each conversation's KV between turns
-(``turns.py``). It is not colocated: sleeping is not needed. ``VLLMBackend``
-(``vllm_backend.py``) is imported only when asked for, so that vLLM stays an optional
-dependency. ``load_causal_lm`` is the load the trainer shares.
+(``turns.py``). It is not colocated: sleeping is not needed. ``load_causal_lm`` is the load
+the trainer shares. Engines are made by name from ``registry.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from .publish import load_weights
 from .rows import cut_rows, expand_samples, prefix_lens_of, rollouts_table, row_keys
 from .turns import decode_turns
 
-BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")  # of the hf engine's weights
 
 
@@ -85,6 +83,7 @@ class HFBackend(GenerationBackend):
     """transformers model + our decode loop; see the module docstring."""
 
     exports_kv = True
+    dtypes = DTYPES
 
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
                  lora: LoraSpec | None = None, dtype: str = "auto") -> None:
@@ -210,29 +209,3 @@ class HFBackend(GenerationBackend):
         if self.model is None:
             raise RuntimeError(f"HFBackend({self.model_path}): call load() first")
         return self.model
-
-
-def engine_class(name: str) -> type[GenerationBackend]:
-    """The engine class called ``name`` (one of ``BACKENDS``); vLLM itself is not imported."""
-    if name == "hf":
-        return HFBackend
-    if name == "vllm":
-        from .vllm_backend import VLLMBackend  # optional dependency: loads it only in load()
-
-        return VLLMBackend
-    raise ValueError(f"backend {name!r}: choose one of {BACKENDS}")
-
-
-def make_backend(name: str, model_path: str | Path, device: str = "auto", threads: int = 1,
-                 colocate: bool = False, lora: LoraSpec | None = None,
-                 dtype: str = "auto", gpu_memory_utilization: float = 0.15,
-                 ram_bytes: int | None = None) -> GenerationBackend:
-    """The backend called ``name`` (one of ``BACKENDS``), not loaded yet. ``colocate``: the
-    engine shares its device with the trainer and sleeps between rollouts (vllm); ``dtype``:
-    the engine's weights (one of ``DTYPES``); ``gpu_memory_utilization``: the share of the
-    device's memory a vllm engine takes (on CPU: of the RAM, at most ``ram_bytes``)."""
-    cls = engine_class(name)
-    if cls is HFBackend:
-        return HFBackend(model_path, device, threads, lora, dtype)
-    return cls(model_path, colocate=colocate, dtype=dtype, threads=threads,
-               gpu_memory_utilization=gpu_memory_utilization, ram_bytes=ram_bytes)

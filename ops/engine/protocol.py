@@ -7,7 +7,7 @@ transformers model) and ``VLLMBackend`` (``vllm_backend.py``); the emulated back
 (``pipeline/tasks/emulated_backend.py``) keeps the same task signatures on a simulated
 clock. The call order:
 
-    engine = make_backend("hf" | "vllm", model_path, ...)
+    engine = make_engine(spec)              registry.py: the engine the spec names
     engine.load()                             once: the worker's cold start, measured
     per task:
         engine.wake()                         colocated engines only: memory back first
@@ -33,14 +33,19 @@ kept) with the behaviour policy's log-probability of each sampled token. A cut r
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef, check_limit
 from .gen_stats import GenerationStats
+
+if TYPE_CHECKING:
+    from .registry import EngineSpec
 
 
 class GenerationBackend(ABC):
@@ -53,6 +58,16 @@ class GenerationBackend(ABC):
     #: whether a paused decoding can leave with its KV cache (``export_paused``/``adopt``);
     #: otherwise a move recomputes the context on its target (``continue_rows``)
     exports_kv: bool = False
+    #: the weight dtypes ``EngineSpec.dtype`` may name for this engine ("auto": its choice)
+    dtypes: tuple[str, ...] = ("auto",)
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, ram_bytes: int | None = None) -> GenerationBackend:
+        """The engine of ``spec``, not loaded: ``__init__`` gets the spec's fields (and
+        ``ram_bytes``, what a CPU engine may hold) that it names as parameters."""
+        options = {f.name: getattr(spec, f.name) for f in fields(spec)} | {"ram_bytes": ram_bytes}
+        accepted = inspect.signature(cls.__init__).parameters
+        return cls(**{k: v for k, v in options.items() if k in accepted and k != "self"})
 
     @abstractmethod
     def load(self) -> None:

@@ -116,6 +116,8 @@ class WeightLoader:
 class VLLMBackend(GenerationBackend):
     """``vllm.LLM`` on this worker's device; see the module docstring for the contract."""
 
+    dtypes = ("auto", "float32", "bfloat16", "float16")  # vLLM's own names for them
+
     def __init__(self, model_path: str | Path, *, colocate: bool = False,
                  gpu_memory_utilization: float = 0.15, dtype: str = "auto", threads: int = 1,
                  max_model_len: int | None = None, seed: int = 0,

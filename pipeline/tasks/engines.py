@@ -1,4 +1,4 @@
-"""What every worker's tasks share: the engine spec, and the worker a task runs on.
+"""What every worker's tasks share: the worker a task runs on, and what its engine may hold.
 
 Engines are worker-local state reached from ordinary graph tasks, not Dask Actors: graph
 tasks keep Dask's retries, resources, priorities and the rendered graph, while module
@@ -17,23 +17,7 @@ The tasks, by role:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from distributed import get_worker
-
-from rlhfless.ops.engine.lora import LoraSpec
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    model_path: str
-    device: str = "auto"
-    threads: int = 1
-    backend: str = "hf"  # generation backend (ops/engine/backend.py): "hf" | "vllm"
-    colocate: bool = False  # the generation engine sleeps between rollouts (vllm)
-    lora: LoraSpec | None = None  # LoRA adapters on the model; only they train and move
-    dtype: str = "auto"  # the generation engine's weights (ops/engine/backend.py DTYPES)
-    gpu_memory_utilization: float = 0.15  # vllm: its share of device memory (CPU: of RAM)
 
 
 def worker_name() -> str:

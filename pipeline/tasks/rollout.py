@@ -18,14 +18,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhfless.ops.engine.backend import make_backend
 from rlhfless.ops.engine.engine_types import SamplingParams, StopRule, WeightsRef, require_version
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.protocol import GenerationBackend
+from rlhfless.ops.engine.registry import EngineSpec, make_engine
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 
-from .engines import EngineSpec, engine_ram_bytes, worker_name
+from .engines import engine_ram_bytes, worker_name
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,7 @@ def generation_engine(spec: EngineSpec,
     cold = 0.0
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
-        engine = make_backend(spec.backend, spec.model_path, spec.device, spec.threads,
-                              colocate=spec.colocate, lora=spec.lora, dtype=spec.dtype,
-                              gpu_memory_utilization=spec.gpu_memory_utilization,
-                              ram_bytes=engine_ram_bytes())
+        engine = make_engine(spec, engine_ram_bytes())
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds

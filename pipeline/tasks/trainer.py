@@ -28,9 +28,10 @@ from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.lora import lora_config, trainable_names
 from rlhfless.ops.engine.publish import publish_state, publish_weights
+from rlhfless.ops.engine.registry import EngineSpec
 
 from ..durable.checkpoint import read_trainer, write_trainer
-from .engines import EngineSpec, worker_name
+from .engines import worker_name
 from .ranks import leave_group, on_ranks, this_rank
 
 

@@ -54,10 +54,10 @@ from distributed import as_completed
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.shard import take_shards
-from rlhfless.ops.engine.backend import engine_class
 from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
+from rlhfless.ops.engine.registry import engine_class
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.schedulers.dask.plugin import (
     drain_target_changes,

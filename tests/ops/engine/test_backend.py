@@ -17,10 +17,11 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.schema import ROLLOUTS, check_columns
-from rlhfless.ops.engine.backend import GenerationBackend, HFBackend, make_backend
+from rlhfless.ops.engine.backend import GenerationBackend, HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
 from rlhfless.ops.engine.generate import generate_rollouts
 from rlhfless.ops.engine.publish import publish_weights
+from rlhfless.ops.engine.registry import EngineSpec, engine_class, engine_names, make_engine
 from rlhfless.ops.engine.vllm_backend import VLLMBackend
 
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
@@ -34,13 +35,15 @@ def prompts(tiny_model_dir) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir) -> HFBackend:
-    backend = make_backend("hf", tiny_model_dir, "cpu", threads=1)
+    backend = make_engine(EngineSpec(str(tiny_model_dir), "cpu", 1))
     backend.load()
     return backend
 
 
-def test_every_backend_implements_the_whole_protocol():
-    for cls in (HFBackend, VLLMBackend):
+def test_every_registered_engine_implements_the_whole_protocol():
+    assert {"hf", "vllm"} <= set(engine_names())
+    for name in engine_names():
+        cls = engine_class(name)
         assert issubclass(cls, GenerationBackend) and not cls.__abstractmethods__
 
 
@@ -72,14 +75,18 @@ def test_hf_set_weights_loads_the_version_in_place(hf, prompts, tmp_path):
 
 
 def test_unknown_backend_is_a_clear_error():
-    with pytest.raises(ValueError, match="backend 'tgi': choose one of"):
-        make_backend("tgi", "m")
+    with pytest.raises(ValueError, match="backend 'tgi': choose one of hf, vllm"):
+        make_engine(EngineSpec("m", backend="tgi"))
+    with pytest.raises(ValueError, match="cannot import no_such_module:Engine"):
+        engine_class("no_such_module:Engine")
+    with pytest.raises(ValueError, match="is not a GenerationBackend"):
+        engine_class("rlhfless.ops.engine.registry:EngineSpec")
 
 
 def test_vllm_backend_says_how_to_install_when_vllm_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # "import vllm" raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'rlhfless\[vllm\]'"):
-        make_backend("vllm", "m").load()
+        make_engine(EngineSpec("m", backend="vllm")).load()
 
 
 # ---- a stand-in for vllm.LLM ------------------------------------------------------------
@@ -176,8 +183,8 @@ def test_vllm_weight_update_resets_the_prefix_cache_and_wakes_in_order(fake_vllm
 
 
 def test_hf_backend_loads_the_dtype_asked_for(tiny_model_dir):
-    engine = make_backend("hf", tiny_model_dir, "cpu", dtype="float64")
+    engine = make_engine(EngineSpec(str(tiny_model_dir), "cpu", dtype="float64"))
     engine.load()
     assert engine.model.dtype == torch.float64
     with pytest.raises(ValueError, match="dtype 'int8': choose one of auto, float32"):
-        make_backend("hf", tiny_model_dir, "cpu", dtype="int8").load()
+        make_engine(EngineSpec(str(tiny_model_dir), "cpu", dtype="int8")).load()
