@@ -7,7 +7,7 @@ no full weights are published or loaded again.
 Tolerance: both sides are float32 (epsilon 1.2e-7). The adapter adds to each projection
 ``scale · B (A x)`` (reductions of width 4 and 128-384) onto the base projection, in another
 order than the trainer's; with adapters this large (they move the logprobs by ~2.7 from the
-base model's) the activations and logits grow, and a few ulps of them through two layers
+base model's) the activations and logits grow, and a few ulps of them through four layers
 and a log-softmax over ~400 tokens came to at most 1.9e-5 here (the base model alone:
 ~2e-6, ``test_vllm_backend.py``). ``LOGPROB_ATOL`` (1e-4, the acceptance figure) keeps a
 factor of 5; an adapter that did not reach vLLM misses by over ``MOVED`` (0.05).
