@@ -15,7 +15,8 @@ samples and records exactly as the same conversation sent to ``/v1/chat/completi
 * **out**: ``content`` holds a ``text`` block (unless the answer is only tool calls), then a
   ``tool_use`` block per tool call (``id``, ``name``, ``input``); ``stop_reason`` is
   "tool_use", "max_tokens", "stop_sequence" (with ``stop_sequence``, the one the text holds:
-  the text ends with it, as sampled) or "end_turn"; ``usage`` counts tokens.
+  the answer is cut after the token that completed it and keeps that token, as recorded and
+  as chat completions here are) or "end_turn"; ``usage`` counts tokens.
 * **stream**: ``message_start``, per block ``content_block_start``, ``content_block_delta``
   (``text_delta`` per token's text as chat streams it, or one ``input_json_delta``),
   ``content_block_stop``; then ``message_delta`` (stop reason, output tokens) and

@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 
 import anthropic
+import httpx
 import openai
 import pytest
 from test_agent_stream import ASK, LOOKUP, tool_caller  # noqa: F401 (a fixture)
@@ -175,3 +176,80 @@ def test_streamed_responses_and_messages_assemble_to_the_unstreamed_ones(
                                            "response.function_call_arguments.delta"))
                   for k in kinds]
         assert deltas[0] == 1 if tools else all(d > 1 for d in deltas)
+
+
+def test_stop_reasons_and_usage_are_each_apis_own(server, engine):
+    """A budget that ends the answer: the response is "incomplete" (max_output_tokens), the
+    message stops on "max_tokens"; a stop sequence the text holds: "stop_sequence", with it;
+    usage counts the recorded prompt and sampled ids."""
+    _serve(server, engine)
+    client, token = _openai(server, key=2)
+    cut = client.responses.create(model="m", input="Items: fig pear", max_output_tokens=2,
+                                  temperature=1.0)
+    [call] = _recorded(server, token)
+    prompt_ids, [(sampled, _, _)] = call
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (cut.usage.input_tokens, cut.usage.output_tokens) == \
+        (len(prompt_ids), len(sampled)) == (cut.usage.input_tokens, 2)
+    client, token = _anthropic(server, key=2)
+    message = client.messages.create(model="m", max_tokens=2, extra_body={"temperature": 1.0},
+                                     messages=[{"role": "user", "content": "Items: fig pear"}])
+    assert _recorded(server, token) == [call]
+    assert message.stop_reason == "max_tokens" and message.content[0].text == cut.output_text
+    assert (message.usage.input_tokens, message.usage.output_tokens) == \
+        (len(prompt_ids), 2)
+    stop = message.content[0].text.strip()[0]  # drawn again under the same key: it stops there
+    client, token = _anthropic(server, key=2)
+    stopped = client.messages.create(model="m", max_tokens=2, stop_sequences=[stop],
+                                     extra_body={"temperature": 1.0},
+                                     messages=[{"role": "user", "content": "Items: fig pear"}])
+    server.close_episode(token)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    # cut after the token that completed it, as chat completions are: what was recorded
+    assert stop in stopped.content[0].text and len(stopped.content[0].text) <= len(
+        message.content[0].text) and stopped.usage.output_tokens == 1
+
+
+def test_bad_requests_get_a_400_in_each_apis_error_shape_and_sample_nothing(server, engine):
+    _serve(server, engine)
+    client, token = _openai(server, key=1)
+    with pytest.raises(openai.BadRequestError,
+                       match=r"input\[1\]: item type 'reasoning' is not served; allowed "
+                             "message, function_call, function_call_output"):
+        client.responses.create(model="m", input=[{"role": "user", "content": "x"},
+                                                  {"type": "reasoning", "summary": []}])
+    with pytest.raises(openai.BadRequestError, match="'previous_response_id' is not served"):
+        client.responses.create(model="m", input="x", previous_response_id="resp_1")
+    assert server.close_episode(token) == []
+    client, token = _anthropic(server, key=1)
+    with pytest.raises(anthropic.BadRequestError,
+                       match=r"messages\[0\]\.content\[0\]: block type 'image' is not served"):
+        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    bare = httpx.post(f"{server.base_url}/messages", headers={"x-api-key": token},
+                      json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert bare.status_code == 400 and bare.json() == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "max_tokens = None: required, a positive integer"}}
+    assert server.close_episode(token) == []
+
+
+def test_messages_take_the_episodes_key_as_x_api_key_or_bearer(server, engine):
+    _serve(server, engine)
+    token = server.open_episode(4)
+    request = {"model": "m", "max_tokens": 2,
+               "messages": [{"role": "user", "content": "Items: fig"}]}
+    url = f"{server.base_url}/messages"
+    assert httpx.post(url, headers={"Authorization": f"Bearer {token}"},
+                      json=request).json()["type"] == "message"
+    refused = httpx.post(url, headers={"x-api-key": "not-the-key"}, json=request)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == \
+        "authentication_error"
+    wrong = anthropic.Anthropic(base_url=server.base_url.removesuffix("/v1"),
+                                api_key="not-the-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(**request)
+    assert len(server.close_episode(token)) == 1  # only the authorised request was served
+    with pytest.raises(openai.AuthenticationError):  # the same for responses
+        openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0) \
+            .responses.create(model="m", input="x")
