@@ -205,7 +205,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     full = Path(publish_weights(model, tmp / "full", 1).path).stat().st_size
     add_adapters(model, LoraSpec(args.lora_rank, 2.0 * args.lora_rank))
-    lora = Path(publish_weights(model, tmp / "lora", 1).path).stat().st_size
+    lora = sum(f.stat().st_size  # the adapter directory's tensors and config
+               for f in Path(publish_weights(model, tmp / "lora", 1).path).iterdir())
     out["lora"] = {"rank": args.lora_rank, "published_bytes": lora, "full_bytes": full,
                    "ratio": round(lora / full, 4)}
     shutil.rmtree(tmp)
