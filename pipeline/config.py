@@ -29,6 +29,7 @@ from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .cluster.security import check_security
+from .report.trackers import check_report_to
 
 CHOICES = {
     "algorithm": ("grpo", "rloo"),
@@ -201,6 +202,9 @@ class Config:
     scheduler_host: str = "127.0.0.1"  # where the scheduler listens (never all, unless asked)
     dashboard: bool = False  # serve Dask's dashboard: plain HTTP any local user can read
     dashboard_address: str = "127.0.0.1:0"  # where it listens when dashboard = true
+    # trackers that get every metric (docs/watching.md); []: none
+    report_to: list[str] = field(  # tensorboard, wandb, mlflow, trackio; auto: tb if installed
+        default_factory=lambda: ["auto"])
     run_umask: int = 0o077  # files of a run 0600, its dirs 0700; 0o022 shares them read-only
     security: dict[str, Any] = field(default_factory=dict)  # TLS of the cluster (security.py)
     # batch jobs (cluster = "slurm" | "pbs"): one job per worker, per-pool directives
@@ -298,6 +302,10 @@ class Config:
                               "files), e.g. 0o077 (private) or 0o022 (readable by all)")
         try:
             check_security(self.security)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        try:
+            check_report_to(self.report_to)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         check_mode(self)

@@ -59,7 +59,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def finished_run(tiny_model_dir, tmp_path_factory):
     """A real two-iteration run of the elastic policy on a LocalCluster: metrics, rollouts,
-    decisions, ledger, dashboard record (and TensorBoard scalars when installed)."""
+    decisions, ledger, dashboard record, and every tracker's local store (W&B offline, MLflow
+    and trackio in the run directory, TensorBoard)."""
     from rlhfless.pipeline.config import Config
     from rlhfless.pipeline.train.loop import train
 
@@ -67,5 +68,11 @@ def finished_run(tiny_model_dir, tmp_path_factory):
                  name="finished", iterations=2, batch_prompts=8, n_samples=3,
                  max_new_tokens=16, heldout_prompts=8, eval_every=1, policy="elastic",
                  gen_workers=2, lambda_cost=1.0, keep_alive_s=0.0, train_threads=1,
-                 dashboard=True)  # the report links it while the run is live
-    return train(cfg, progress=False, log=lambda *_: None).path
+                 dashboard=True,  # the report links it while the run is live
+                 report_to=["tensorboard", "wandb", "mlflow", "trackio"])
+    with pytest.MonkeyPatch.context() as env:  # nothing leaves the machine
+        env.setenv("WANDB_MODE", "offline")
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_DIR",
+                     "WANDB_PROJECT"):
+            env.delenv(name, raising=False)
+        return train(cfg, progress=False, log=print).path

@@ -6,8 +6,10 @@
     decisions.jsonl      every scaling, migration and release decision (elastic policy)
     ledger.json          worker-seconds and cost per pool, per iteration, per worker
     dashboard.json       the Dask dashboard link, and whether the run has ended
-    report.html          ``rlhfless report`` (plots beside it, in report/)
-    tb/                  TensorBoard scalars, when tensorboard is installed
+    report/              ``rlhfless report``: index.html and its figures (at the end of a run
+                         whose trackers keep files, with graph.png, the iteration graph)
+    tb/                  TensorBoard scalars (report_to; by default when tensorboard is installed)
+    wandb/ mlflow.db mlflow-artifacts/ trackio/   the other trackers' local stores (report_to)
     rollouts/iter-N.parquet   every sample of iteration N
     weights/vN.safetensors    the newest published policy versions
     checkpoints/iter-N/       zarr v3 checkpoints, committed atomically (checkpoint.py)
@@ -35,7 +37,7 @@ cut short (a writer killed mid-line) is passed over by ``read_jsonl`` and droppe
 ``rewrite_jsonl`` (on resume), so that the next record starts on a fresh line; any other
 line that is not JSON is an error naming file and line. Everything written is strict JSON:
 a NaN or infinite number is written as ``null`` and its key listed under ``"nonfinite"``.
-Every metrics record is also handed to ``listeners`` (a notebook's live plot, TensorBoard),
+Every metrics record is also handed to ``listeners`` (a notebook's live plot, the trackers),
 in the order appended, as it was given.
 
 A run is private to its Unix user: ``train`` and ``--resume`` run under ``umask(run_umask)``

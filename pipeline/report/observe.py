@@ -1,4 +1,4 @@
-"""Watching a run while it runs: the dashboard link, metric listeners, TensorBoard.
+"""Watching a run while it runs: the dashboard link and the metric listener of a notebook.
 
 ``observed(run, dashboard_link, on_metrics)`` wraps the training loop:
 
@@ -6,10 +6,7 @@
   start time) and at exit adds the end time, so ``rlhfless report`` links the dashboard only
   while the run is live (``dashboard_status``);
 * every record appended to ``metrics.jsonl`` meanwhile also goes to ``on_metrics`` (a
-  notebook's live plot) and, when the ``tensorboard`` package is installed, to TensorBoard
-  scalars under ``<run>/tb``: tag ``<event>/<key>`` (``iteration/reward_mean``,
-  ``eval/heldout_accuracy``), step = the record's iteration. Without tensorboard nothing is
-  written and nothing is said.
+  notebook's live plot). The trackers (TensorBoard, W&B, MLflow, trackio) are ``trackers/``.
 
 The dashboard is off unless ``dashboard = true`` (plain HTTP with no authentication: any user
 of the host may read it), and then the run says where it listens. ``install_sitemap`` mends
@@ -19,51 +16,16 @@ traceback into the run's output at any local user's request.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import distributed.http.routing
 from tornado.routing import PathMatches, RuleRouter
 
 from ..durable.runs import RunDir
-
-SKIP_SCALARS = {"iteration", "time", "policy_version", "t"}
-
-
-class TensorBoardListener:
-    """Numeric fields of each metrics record as TensorBoard scalars (``SummaryWriter``)."""
-
-    def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-
-    def __call__(self, record: dict) -> None:
-        event = record.get("event", "metrics")
-        step = int(record.get("iteration", 0))
-        for key, value in record.items():
-            if (key in SKIP_SCALARS or isinstance(value, bool)
-                    or not isinstance(value, (int, float)) or not math.isfinite(value)):
-                continue
-            self.writer.add_scalar(f"{event}/{key}", value, global_step=step,
-                                   walltime=record.get("time"))
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def tensorboard_listener(run: RunDir) -> TensorBoardListener | None:
-    """A listener writing under ``<run>/tb``, or None when tensorboard is not installed."""
-    try:
-        return TensorBoardListener(run.path / "tb")
-    except ImportError:
-        return None
 
 
 def _paths(router: RuleRouter, seen: set, out: set[str]) -> None:
@@ -102,19 +64,16 @@ def install_sitemap() -> None:
 @contextmanager
 def observed(run: RunDir, dashboard_link: str,
              on_metrics: Callable[[dict], None] | None = None) -> Iterator[RunDir]:
-    """Record the dashboard link and attach the listeners for the duration of a run."""
+    """Record the dashboard link and attach ``on_metrics`` for the duration of a run."""
     run.write_json("dashboard.json", {"link": dashboard_link, "host": socket.gethostname(),
                                       "pid": os.getpid(), "started": time.time()})
-    tb = tensorboard_listener(run)
-    added = [x for x in (on_metrics, tb) if x is not None]
-    run.listeners.extend(added)
+    if on_metrics is not None:
+        run.listeners.append(on_metrics)
     try:
         yield run
     finally:
-        for listener in added:
-            run.listeners.remove(listener)
-        if tb is not None:
-            tb.close()
+        if on_metrics is not None:
+            run.listeners.remove(on_metrics)
         run.write_json("dashboard.json", run.read_json("dashboard.json") | {"ended": time.time()})
 
 

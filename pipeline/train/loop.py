@@ -49,6 +49,7 @@ from ..report.bookkeeping import (
 )
 from ..report.observe import observed
 from ..report.trace import RunTrace, TaskStream
+from ..report.trackers import tracked
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
 from .guard import CollapseGuard, collapse_record, respond
@@ -97,7 +98,8 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
         run = open_run(cfg, overwrite=overwrite, resume=resume)
         try:
             write_given_prompts(cfg, given)
-            _train_in(run, cfg, progress, log, on_metrics, resume)
+            with tracked(cfg, run, log):  # report_to: every metric, the report at the end
+                _train_in(run, cfg, progress, log, on_metrics, resume)
         except BaseException:
             run.restore_replaced()  # nothing once the first iteration dropped the old run
             raise
