@@ -64,9 +64,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rlhfless.ops.data.load import read_prompts
-    from rlhfless.ops.engine.engine_types import SamplingParams
+    from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams
     from rlhfless.ops.engine.gen_stats import GenerationStats
-    from rlhfless.ops.engine.registry import EngineSpec, make_engine
+    from rlhfless.ops.engine.registry import make_engine
     from rlhfless.ops.engine.rows import expand_samples
     from rlhfless.ops.rollouts.agent import AgentParams, play_agents
     from rlhfless.ops.toy.tinymodel import ensure_tiny_model

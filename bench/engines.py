@@ -47,9 +47,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams
 from rlhfless.ops.engine.publish import publish_weights
-from rlhfless.ops.engine.registry import EngineSpec, make_engine
+from rlhfless.ops.engine.registry import make_engine
 from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.train.loop import train

@@ -48,9 +48,8 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.engine.backend import resolve_dtype
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, WeightsRef
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
-from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.ops.toy.benchmodel import BENCH_SIZES, bench_dtype, ensure_bench_model
 from rlhfless.ops.toy.tinytask import LongTailTallyTask, make_splits
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster

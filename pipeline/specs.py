@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.load import LoadResult, read_prompts
-from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
-from rlhfless.ops.engine.registry import EngineSpec
+from rlhfless.ops.engine.registry import resolved
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.agent import AgentParams
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS
@@ -72,7 +72,7 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
                             cfg.colocate, lora, cfg.gen_dtype, cfg.gpu_memory_utilization)
     if cfg.backend != "emulated":  # the emulated pools run tasks of their own (train/emulated.py)
-        gen_engine = gen_engine.resolved()  # workers build the class the driver named
+        gen_engine = resolved(gen_engine)  # workers build the class the driver named
     update = UpdateParams(lr=cfg.update_lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           micro_batch_tokens=cfg.micro_batch_tokens,

@@ -106,3 +106,17 @@ class Turn:
     key: int
     cache: Any = None
     result: tuple[list[int], list[float], str] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker needs to build its engine; an engine takes the options it has."""
+
+    model_path: str
+    device: str = "auto"
+    threads: int = 1
+    backend: str = "hf"  # an ENGINES name, or "module:Class"
+    colocate: bool = False  # the engine sleeps between rollouts, freeing the trainer's device
+    lora: Any = None  # LoRA adapters on the model (``lora.LoraSpec``): only they train and move
+    dtype: str = "auto"  # the engine's weights: "auto" or one of its class's ``dtypes``
+    gpu_memory_utilization: float = 0.15  # vllm: its share of device memory (CPU: of RAM)

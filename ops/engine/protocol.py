@@ -37,15 +37,20 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
-from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef, check_limit
+from .engine_types import (
+    Chunk,
+    EngineSpec,
+    SamplingParams,
+    StopRule,
+    Turn,
+    WeightsRef,
+    check_limit,
+)
 from .gen_stats import GenerationStats
-
-if TYPE_CHECKING:
-    from .registry import EngineSpec
 
 
 class GenerationBackend(ABC):

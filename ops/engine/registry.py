@@ -13,8 +13,10 @@ A worker process builds its engine from the spec alone: the spec carries the cla
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from .engine_types import EngineSpec
 
 if TYPE_CHECKING:
     from .protocol import GenerationBackend
@@ -25,22 +27,9 @@ ENGINES: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What a worker needs to build its engine; an engine takes the options it has."""
-
-    model_path: str
-    device: str = "auto"
-    threads: int = 1
-    backend: str = "hf"  # an ENGINES name, or "module:Class"
-    colocate: bool = False  # the engine sleeps between rollouts, freeing the trainer's device
-    lora: Any = None  # LoRA adapters on the model (``lora.LoraSpec``): only they train and move
-    dtype: str = "auto"  # the engine's weights: "auto" or one of its class's ``dtypes``
-    gpu_memory_utilization: float = 0.15  # vllm: its share of device memory (CPU: of RAM)
-
-    def resolved(self) -> EngineSpec:
-        """This spec with ``backend`` as the class's ``module:Class``, for other processes."""
-        return replace(self, backend=engine_target(self.backend))
+def resolved(spec: EngineSpec) -> EngineSpec:
+    """``spec`` with ``backend`` as its class's ``module:Class``, for other processes."""
+    return replace(spec, backend=engine_target(spec.backend))
 
 
 def register_engine(name: str, target: str) -> None:

@@ -18,10 +18,16 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhfless.ops.engine.engine_types import SamplingParams, StopRule, WeightsRef, require_version
+from rlhfless.ops.engine.engine_types import (
+    EngineSpec,
+    SamplingParams,
+    StopRule,
+    WeightsRef,
+    require_version,
+)
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.protocol import GenerationBackend
-from rlhfless.ops.engine.registry import EngineSpec, make_engine
+from rlhfless.ops.engine.registry import make_engine
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 

@@ -34,10 +34,9 @@ import pyarrow as pa
 import torch
 from distributed import Reschedule, get_client, get_worker
 
-from rlhfless.ops.engine.engine_types import WeightsRef, require_version
+from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef, require_version
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.kv_transfer import TailKV, take_tail
-from rlhfless.ops.engine.registry import EngineSpec
 
 from .engines import worker_name
 from .rollout import PAUSED, GenSpec, generation_engine, resume_task, seeded, worker_engine

@@ -23,12 +23,11 @@ from rlhfless.ops.algo.offpolicy import check_staleness
 from rlhfless.ops.algo.parallel import Ranks, full_state, wrap_model
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.engine.backend import load_causal_lm
-from rlhfless.ops.engine.engine_types import WeightsRef, require_version
+from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef, require_version
 from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.lora import lora_config, trainable_names
 from rlhfless.ops.engine.publish import publish_state, publish_weights
-from rlhfless.ops.engine.registry import EngineSpec
 
 from ..durable.checkpoint import read_trainer, write_trainer
 from .engines import worker_name

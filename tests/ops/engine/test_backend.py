@@ -18,10 +18,10 @@ from transformers import AutoTokenizer
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.schema import ROLLOUTS, check_columns
 from rlhfless.ops.engine.backend import GenerationBackend, HFBackend
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, WeightsRef
 from rlhfless.ops.engine.generate import generate_rollouts
 from rlhfless.ops.engine.publish import publish_weights
-from rlhfless.ops.engine.registry import EngineSpec, engine_class, engine_names, make_engine
+from rlhfless.ops.engine.registry import engine_class, engine_names, make_engine
 from rlhfless.ops.engine.vllm_backend import VLLMBackend
 
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)

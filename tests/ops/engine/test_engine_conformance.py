@@ -17,16 +17,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
 from rlhfless.ops.data.schema import ROLLOUTS, check_columns
-from rlhfless.ops.engine.engine_types import SamplingParams, StopRule, Turn
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, StopRule, Turn
 from rlhfless.ops.engine.forward import response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.ops.engine.publish import publish_weights
 from rlhfless.ops.engine.registry import (
     ENGINES,
-    EngineSpec,
     engine_names,
     make_engine,
     register_engine,
+    resolved,
 )
 
 TOY = "toy_engine:ToyEngine"  # this folder is on sys.path under pytest (and a worker's)
@@ -48,7 +48,7 @@ def _engine_params():
 def engine(request, tiny_model_dir):
     spec = EngineSpec(str(tiny_model_dir), "cpu", 1, request.param, dtype="float32",
                       gpu_memory_utilization=0.05)
-    engine = make_engine(spec.resolved())  # as a worker builds it: from the target alone
+    engine = make_engine(resolved(spec))  # as a worker builds it: from the target alone
     engine.load()
     yield engine
     engine.close()
@@ -83,7 +83,7 @@ def _logprob_error(table: pa.Table, model) -> float:
 
 
 def test_the_toy_is_registered_as_a_user_would_and_reaches_workers_by_its_target():
-    assert ENGINES["toy"] == TOY and EngineSpec("m", backend="toy").resolved().backend == TOY
+    assert ENGINES["toy"] == TOY and resolved(EngineSpec("m", backend="toy")).backend == TOY
 
 
 def test_generate_gives_a_row_per_sample_with_the_trainers_logprobs(engine, prompts, trainer):

@@ -16,9 +16,8 @@ from tail_harness import TailModels, land_tails, measure_profile, run_tail
 from worker_support import kill_worker
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.tasks.rollout import (
     GenSpec,

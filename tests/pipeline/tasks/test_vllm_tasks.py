@@ -13,8 +13,7 @@ from transformers import AutoTokenizer
 from vllm_support import require_vllm, vllm_processes
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
-from rlhfless.ops.engine.registry import EngineSpec
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, WeightsRef
 from rlhfless.pipeline.tasks.rollout import GenSpec
 
 require_vllm()

@@ -9,9 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.pipeline.cluster.pools import ADAPT_INTERVAL_S, Pool, PoolCluster
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.tasks.rollout import (

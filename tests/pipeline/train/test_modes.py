@@ -12,9 +12,8 @@ import pytest
 
 from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.schema import SCORED, TRAINABLE
-from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.registry import EngineSpec
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.specs import Specs
 from rlhfless.pipeline.tasks.rollout import GenSpec
