@@ -31,6 +31,42 @@ def two_turns(client, row, model):
     return float(len(second.choices[0].message.content or ""))
 
 
+def two_turns_as_responses(client, row, model):
+    """``two_turns`` spoken as OpenAI's Responses API: the first response's output items, and
+    a function call output for each function call (else a user message), go back."""
+    tools = [{"type": "function", **LOOKUP["function"]}]
+    items = [{"role": "user", "content": row["prompt_text"]}]
+    first = client.responses.create(model=model, input=items, tools=tools, max_output_tokens=8)
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    items += [{"type": "function_call_output", "call_id": o.call_id, "output": "fig pear"}
+              for o in first.output if o.type == "function_call"] \
+        or [{"role": "user", "content": "Items: fig pear\nAnswer:"}]
+    second = client.responses.create(model=model, input=items, tools=tools, max_output_tokens=8)
+    return float(len(second.output_text))
+
+
+def two_turns_as_messages(client, row, model):
+    """``two_turns`` spoken as Anthropic's Messages API, with an ``anthropic`` client on the
+    episode's endpoint and key: the first answer's content blocks, and a tool result for each
+    tool use (else the user's text), go back."""
+    import anthropic  # here: the other agents' processes start without it
+
+    speaker = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"),
+                                  api_key=client.api_key, max_retries=0)
+    function = LOOKUP["function"]
+    tools = [{"name": function["name"], "description": function["description"],
+              "input_schema": function["parameters"]}]
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    first = speaker.messages.create(model=model, messages=messages, tools=tools, max_tokens=8)
+    messages.append({"role": "assistant",
+                     "content": [b.model_dump(exclude_none=True) for b in first.content]})
+    messages.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": b.id, "content": "fig pear"}
+        for b in first.content if b.type == "tool_use"] or "Items: fig pear\nAnswer:"})
+    second = speaker.messages.create(model=model, messages=messages, tools=tools, max_tokens=8)
+    return float(len("".join(b.text for b in second.content if b.type == "text")))
+
+
 def branches(client, row, model):
     """A request of two samples, then one of completions that extends neither."""
     client.chat.completions.create(model=model, n=2, max_tokens=6,

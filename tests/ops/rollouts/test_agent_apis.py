@@ -7,7 +7,6 @@ from ``test_agent_stream``'s model fitted to call ``lookup`` greedily."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import anthropic
 import httpx
@@ -16,6 +15,8 @@ import pytest
 from test_agent_stream import ASK, LOOKUP, tool_caller  # noqa: F401 (a fixture)
 
 from rlhfless.ops.engine.backend import HFBackend
+from rlhfless.ops.engine.engine_types import SamplingParams
+from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.agent_server import AgentEndpoint
 
 FUNCTION = LOOKUP["function"]
@@ -36,7 +37,7 @@ def engine(model64, tokenizer):
 
 
 def _serve(server: AgentEndpoint, engine) -> None:
-    server.set_engine(engine, replace(server.sampling, max_new_tokens=80, seed=11), None)
+    server.set_engine(engine, SamplingParams(max_new_tokens=80, seed=11), None)
 
 
 def _recorded(server: AgentEndpoint, token: str) -> list:
@@ -253,3 +254,19 @@ def test_messages_take_the_episodes_key_as_x_api_key_or_bearer(server, engine):
     with pytest.raises(openai.AuthenticationError):  # the same for responses
         openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0) \
             .responses.create(model="m", input="x")
+
+
+def test_agents_speaking_each_api_train_on_the_same_trajectories(engine, make_prompts):
+    """The two-turn agent of ``test_agent`` written against chat completions, the Responses
+    API and the Messages API (``tests/openai_agents.py``), run as agent episodes in the agent
+    process (one at a time, so each request is sampled alone): the same rows, token for
+    token, with the same loss masks, behaviour logprobs and rewards."""
+    prompts = make_prompts(["Items: fig pear\nAnswer:"])
+    columns = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "env_reward", "turns"]
+    tables = [run_agent_episodes(engine, prompts, 2, SamplingParams(max_new_tokens=8, seed=3),
+                                 AgentParams(f"openai_agents:{agent}", concurrency=1))[0]
+              .select(columns).to_pylist()
+              for agent in ("two_turns", "two_turns_as_responses", "two_turns_as_messages")]
+    assert tables[1] == tables[0] and tables[2] == tables[0]
+    assert [row["turns"] for row in tables[0]] == [2] * 2
+    assert all(0 in row["loss_mask"] for row in tables[0])  # the agent's tokens, masked
