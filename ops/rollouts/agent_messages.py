@@ -32,17 +32,12 @@ import json
 import secrets
 from typing import Any
 
-from .agent_render import BadRequest
+from .agent_render import BadRequest, chat_tool, require_strings, text_of
 from .agent_stream import text_pieces
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise BadRequest(f"{where} must be a string or a list of text blocks")
+    return text_of(content, ("text",), where)
 
 
 def _turn(message: Any, where: str) -> list[dict]:
@@ -64,10 +59,12 @@ def _turn(message: Any, where: str) -> list[dict]:
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "tool_use":
+            require_strings(block, ("id", "name"), f"{where}.content[{n}]")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"),
                                        "arguments": block.get("input") or {}}})
         else:
+            require_strings(block, ("tool_use_id",), f"{where}.content[{n}]")
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": _text(block.get("content", ""),
                                              f"{where}.content[{n}].content")})
@@ -85,11 +82,9 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(tool, dict) or "input_schema" not in tool:
             raise BadRequest(f"tools[{n}]: only custom tools (name, description, "
                              "input_schema) are served")
-        function = {"name": tool.get("name")}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        function["parameters"] = tool["input_schema"]
-        out.append({"type": "function", "function": function})
+        require_strings(tool, ("name",), f"tools[{n}]")
+        out.append(chat_tool(tool.get("name"), tool.get("description"),
+                             tool["input_schema"]))
     return out
 
 

@@ -33,6 +33,33 @@ class BadRequest(ValueError):
     """A request the endpoint cannot serve (HTTP 400), with what is wrong in one line."""
 
 
+def require_strings(item: dict, keys: tuple[str, ...], where: str) -> None:
+    """Refuse ``item`` (at ``where`` in the request) unless each of ``keys`` is a string."""
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise BadRequest(f"{where}.{key} is required, a string")
+
+
+def text_of(content: Any, kinds: tuple[str, ...], where: str) -> str:
+    """The text of ``content`` (at ``where``): a string, or parts of the ``kinds`` joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds
+                                         for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadRequest(f"{where} must be a string or a list of {' / '.join(kinds)} parts")
+
+
+def chat_tool(name: Any, description: Any, parameters: Any) -> dict:
+    """A chat request's function tool (keys in the order chat clients send them, so the
+    template renders it alike whichever API named it)."""
+    function = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
 def _template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:

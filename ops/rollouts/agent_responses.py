@@ -32,7 +32,7 @@ import secrets
 import time
 from typing import Any
 
-from .agent_render import BadRequest
+from .agent_render import BadRequest, chat_tool, require_strings, text_of
 from .agent_stream import text_pieces
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -40,14 +40,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-            for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise BadRequest(f"{where}.content must be a string or a list of input_text / "
-                     "output_text parts")
+    return text_of(content, ("input_text", "output_text"), where)
 
 
 def _messages(items: Any) -> list[dict]:
@@ -64,8 +57,10 @@ def _messages(items: Any) -> list[dict]:
             if role is None:
                 raise BadRequest(f"{where}.role = {item.get('role')!r}: allowed "
                                  f"{', '.join(_ROLES)}")
-            messages.append({"role": role, "content": _text(item.get("content"), where)})
+            messages.append({"role": role,
+                             "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            require_strings(item, ("call_id", "name"), where)
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"),
                                  "arguments": item.get("arguments") or "{}"}}
@@ -75,9 +70,9 @@ def _messages(items: Any) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": _text(output, where) if output is not None else ""})
+            require_strings(item, ("call_id",), where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output", ""), f"{where}.output")})
         else:
             raise BadRequest(f"{where}: item type {kind!r} is not served; allowed "
                              f"{', '.join(ITEM_TYPES)}")
@@ -92,12 +87,9 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
             raise BadRequest(f"tools[{n}]: type {kind!r} is not served; allowed 'function'")
-        function = {"name": tool.get("name")}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("parameters") or {"type": "object",
-                                                            "properties": {}}
-        out.append({"type": "function", "function": function})
+        require_strings(tool, ("name",), f"tools[{n}]")
+        out.append(chat_tool(tool.get("name"), tool.get("description"),
+                             tool.get("parameters")))
     return out
 
 
@@ -107,7 +99,12 @@ def chat_request(body: dict) -> dict:
         if body.get(key):
             raise BadRequest(f"'{key}' is not served: the endpoint stores no responses; send "
                              "the whole conversation as 'input'")
+    budget = body.get("max_output_tokens")
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise BadRequest(f"max_output_tokens = {budget!r}: allowed a positive integer")
     instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string")
     messages = [{"role": "system", "content": instructions}] if instructions else []
     messages += _messages(body.get("input"))
     tool_choice = body.get("tool_choice")

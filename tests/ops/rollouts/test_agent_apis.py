@@ -219,6 +219,9 @@ def test_bad_requests_get_a_400_in_each_apis_error_shape_and_sample_nothing(serv
                              "message, function_call, function_call_output"):
         client.responses.create(model="m", input=[{"role": "user", "content": "x"},
                                                   {"type": "reasoning", "summary": []}])
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\]\.call_id is required"):
+        client.responses.create(model="m", input=[{"type": "function_call", "name": "lookup",
+                                                   "arguments": "{}"}])
     with pytest.raises(openai.BadRequestError, match="'previous_response_id' is not served"):
         client.responses.create(model="m", input="x", previous_response_id="resp_1")
     assert server.close_episode(token) == []
@@ -227,6 +230,11 @@ def test_bad_requests_get_a_400_in_each_apis_error_shape_and_sample_nothing(serv
                        match=r"messages\[0\]\.content\[0\]: block type 'image' is not served"):
         client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    with pytest.raises(anthropic.BadRequestError,
+                       match=r"messages\[0\]\.content\[0\]: block type 'tool_use' is not "
+                             "served in a user message; allowed text, tool_result"):
+        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "tool_use", "id": "t", "name": "lookup", "input": {}}]}])
     bare = httpx.post(f"{server.base_url}/messages", headers={"x-api-key": token},
                       json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert bare.status_code == 400 and bare.json() == {"type": "error", "error": {
