@@ -23,10 +23,11 @@ from rlhfless.schedulers.ledger import CostLedger
 
 def modes(run: Path, leave_out: Path | None = None) -> tuple[set[int], set[int]]:
     """The permission bits of the files and of the directories under ``run`` (itself
-    included), those under ``leave_out`` left out."""
+    included), those under ``leave_out`` left out. A symbolic link is left out: its own bits
+    mean nothing (W&B links its logs and the run's report into its run folder)."""
     files, dirs = set(), {stat.S_IMODE(run.stat().st_mode)}
     for path in run.rglob("*"):
-        if leave_out is not None and path.is_relative_to(leave_out):
+        if leave_out is not None and path.is_relative_to(leave_out) or path.is_symlink():
             continue
         mode = path.lstat().st_mode
         (dirs if stat.S_ISDIR(mode) else files).add(stat.S_IMODE(mode))
