@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -177,6 +178,131 @@ def _raise_if_every_episode_failed(trainable: pa.Table) -> None:
                              f"({len(finish)} of {len(finish)}); the first: {first}")
 
 
+@dataclass
+class Batch:
+    """The columns of a trainable table the update reads, checked: per row its prompt,
+    response, behaviour logprobs and advantage, the loss mask and per-token advantages of
+    multi-turn rows (None: every token, one advantage per sequence)."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    behaviour: list[list[float]]
+    advantages: list[float]
+    masks: list[list[int]] | None
+    per_token: list[list[float]] | None
+    older: np.ndarray | None  # rows behind the batch's newest version (off-policy batches)
+    n_tokens: int  # the whole batch's trained tokens: what the loss divides by
+
+    def rows(self, idx: list[int], scored: torch.Tensor):
+        """(behaviour logprobs, advantages, the tokens the loss trains) of rows ``idx``, as
+        [b, r] tensors on ``scored``'s grid (``scored``: the response tokens)."""
+        old = _scatter_rows([self.behaviour[i] for i in idx], scored)
+        if self.per_token is None:
+            adv = torch.tensor([self.advantages[i] for i in idx], device=scored.device)[:, None]
+        else:  # turn credit: each turn's tokens their turn's advantage
+            adv = _scatter_rows([self.per_token[i] for i in idx], scored)
+        if self.masks:  # multi-turn: observation tokens take no part in the loss
+            scored = scored & (_scatter_rows([self.masks[i] for i in idx], scored) > 0)
+        return old, adv, scored
+
+
+def read_batch(trainable: pa.Table, params: UpdateParams) -> Batch:
+    """``trainable``'s columns as a ``Batch``; ``ValueError`` (one line) for what no update
+    can take: missing columns, mismatched lengths, no response token."""
+    check_columns(trainable, TRAINABLE, "update_policy")
+    responses = trainable.column("response_ids").to_pylist()
+    behaviour = trainable.column("logprobs").to_pylist()
+    for row, (r, b) in enumerate(zip(responses, behaviour)):
+        if len(r) != len(b):
+            raise ValueError(
+                f"update_policy: row {row} has {len(r)} response tokens but {len(b)} logprobs"
+            )
+    masks = loss_masks(trainable)
+    per_token = token_advantages(trainable, masks)
+    _raise_if_every_episode_failed(trainable)
+    n_tokens = (sum(sum(m) for m in masks) if masks else sum(map(len, responses)))
+    if n_tokens == 0:
+        raise ValueError("update_policy: the batch has no response tokens")
+    older = None
+    if params.tis_cap is not None:
+        version = trainable.column("policy_version").to_numpy()
+        older = version < version.max()
+    return Batch(trainable.column("prompt_ids").to_pylist(), responses, behaviour,
+                 trainable.column("advantage").to_pylist(), masks, per_token, older, n_tokens)
+
+
+class LossTotals:
+    """The update's running metrics: the loss and each per-token term summed over the
+    chunks of every epoch (as batch means), and with TIS the older rows' terms apart."""
+
+    def __init__(self, n_tokens: int, epochs: int, tis: bool) -> None:
+        self.n_tokens, self.epochs, self.tis = n_tokens, epochs, tis
+        self.sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
+                     "ratio_mean": 0.0}
+        if tis:
+            self.sums |= {"tis_weight_mean": 0.0, "tis_truncated_frac": 0.0}
+        self.older = {"tis_weight_mean_older": 0.0, "tis_truncated_frac_older": 0.0,
+                      "older_tokens": 0.0}
+
+    def add(self, parts, older_tokens: torch.Tensor | None) -> None:
+        """A chunk's ``LossParts``; ``older_tokens``: its trained tokens of older rows."""
+        self.sums["loss"] += parts.loss.item() / self.epochs
+        for name, value in parts.sums().items():
+            if name in self.sums:
+                self.sums[name] += value / self.n_tokens / self.epochs
+        if older_tokens is not None:
+            self.older["older_tokens"] += older_tokens.sum().item() / self.epochs
+            for name, value in parts.sums(older_tokens).items():
+                if name + "_older" in self.older:
+                    self.older[name + "_older"] += value / self.epochs
+
+
+def _chunk_loss(batch: Batch, mb: list[int], ref: torch.Tensor | None, params: UpdateParams,
+                prox: dict, totals: LossTotals, scale: float):
+    """The loss callback of micro-batch ``mb`` for ``backward_logprobs``: the loss of its
+    rows ``rows`` (``ref``: their reference logprobs), added to ``totals``. The proximal
+    logprobs of off-policy batches are the trainer's own at the first epoch (``prox``)."""
+
+    def loss(rows: list[int], logp: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        idx = [mb[j] for j in rows]
+        old, adv, scored = batch.rows(idx, scored)
+        key = tuple(idx)
+        if params.tis_cap is not None and key not in prox:  # no step yet: own logps
+            prox[key] = logp.detach()
+        parts = policy_loss(logp, old, adv, scored,
+                            None if ref is None else ref[rows, :logp.shape[1]],
+                            params.loss_params, batch.n_tokens, prox.get(key))
+        older = (None if batch.older is None else
+                 scored & torch.tensor(batch.older[idx], device=scored.device)[:, None])
+        totals.add(parts, older)
+        return parts.loss * scale
+
+    return loss
+
+
+def _is_finite_step(grad_norm: torch.Tensor, loss: float, ranks: Ranks | None,
+                    device: torch.device) -> bool:
+    """Whether the step's loss and gradient norm are finite, on every rank."""
+    finite = math.isfinite(float(full_tensor(grad_norm))) and math.isfinite(loss)
+    if ranks is not None:  # this rank's share of the loss: every rank must agree
+        return all_reduce_sum({"nonfinite": float(not finite)}, device)["nonfinite"] == 0
+    return finite
+
+
+def _micro_batches(batch: Batch, budget: int,
+                   ranks: Ranks | None) -> tuple[list[int], list[list[int]]]:
+    """(the rows this process trains, packed into micro-batches of rows): the rows with a
+    response, and under ``ranks`` this rank's groups of them (``split_rows``)."""
+    keep = [i for i, r in enumerate(batch.responses) if r]
+    if ranks is not None:  # the loss still divides by the whole batch's tokens
+        share = split_rows([batch.prompts[i] for i in keep],
+                           [len(batch.responses[i]) for i in keep], ranks.world)[ranks.rank]
+        keep = [keep[j] for j in share]
+    packed = pack_micro_batches([batch.prompts[i] for i in keep],
+                                [len(batch.responses[i]) for i in keep], budget)
+    return keep, [[keep[j] for j in mb] for mb in packed]
+
+
 def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
                   params: UpdateParams, pad_id: int, ref_model=None,
                   ranks: Ranks | None = None) -> dict:
@@ -186,128 +312,73 @@ def update_policy(model, optimizer: torch.optim.Optimizer, trainable: pa.Table,
     ``ranks``: ``model`` is wrapped for that process group (``ops/algo/parallel.py``); every rank
     gets the whole ``trainable``, runs its share of the groups (``split_rows``) and the
     metrics are the whole batch's."""
-    check_columns(trainable, TRAINABLE, "update_policy")
+    batch = read_batch(trainable, params)
     if params.kl_coef > 0 and ref_model is None:
         raise ValueError("update_policy: kl_coef > 0 needs a reference model")
-    prompts = trainable.column("prompt_ids").to_pylist()
-    responses = trainable.column("response_ids").to_pylist()
-    behaviour = trainable.column("logprobs").to_pylist()
-    advantages = trainable.column("advantage").to_pylist()
-    for row, (r, b) in enumerate(zip(responses, behaviour)):
-        if len(r) != len(b):
-            raise ValueError(
-                f"update_policy: row {row} has {len(r)} response tokens but {len(b)} logprobs"
-            )
-    masks = loss_masks(trainable)
-    per_token = token_advantages(trainable, masks)
-    keep = [i for i, r in enumerate(responses) if r]
-    n_tokens = sum(sum(masks[i]) for i in keep) if masks else sum(len(responses[i]) for i in keep)
-    _raise_if_every_episode_failed(trainable)
-    if n_tokens == 0:
-        raise ValueError("update_policy: the batch has no response tokens")
-    if ranks is not None:  # this rank's groups; the loss still divides by the batch's tokens
-        share = split_rows([prompts[i] for i in keep], [len(responses[i]) for i in keep],
-                           ranks.world)[ranks.rank]
-        keep = [keep[j] for j in share]
+    prompts, responses = batch.prompts, batch.responses
+    keep, micro = _micro_batches(batch, params.micro_batch_tokens, ranks)
     forward, model = model, inner(model)  # forward passes skip a DDP wrapper
     device = next(model.parameters()).device
-    micro = [[keep[j] for j in mb] for mb in pack_micro_batches(
-        [prompts[i] for i in keep], [len(responses[i]) for i in keep],
-        params.micro_batch_tokens)]
-    prompt_tokens = sum(sum(map(len, {tuple(prompts[i]) for i in mb})) for mb in micro)
     model.train()
-    totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
-    if params.tis_cap is not None:
-        totals |= {"tis_weight_mean": 0.0, "tis_truncated_frac": 0.0}
-        version = trainable.column("policy_version").to_numpy()
-        older = version < version.max()  # [N] rows behind the batch's newest version
-        older_totals = {"tis_weight_mean_older": 0.0, "tis_truncated_frac_older": 0.0,
-                        "older_tokens": 0.0}
+    totals = LossTotals(batch.n_tokens, params.epochs, params.tis_cap is not None)
     prox: dict[tuple[int, ...], torch.Tensor] = {}  # chunk's rows -> proximal logprobs
     chunks = [chunk_passes(model, [responses[i] for i in mb]) for mb in micro]
     passes = chunks  # every rank runs the same passes (ops/algo/parallel.py)
     if ranks is not None and ranks.parallel == "fsdp":
         passes = agree_passes(chunks, device)
     scale = 1.0 if ranks is None else ranks.loss_scale
-    nonfinite = False
+    finite = True
     for _ in range(params.epochs):
         optimizer.zero_grad(set_to_none=True)
-        loss_before = totals["loss"]
+        loss_before = totals.sums["loss"]
         for k, agreed in enumerate(passes):
             if k >= len(micro):
                 idle_micro_batch(model, pad_id, agreed)
                 continue
-            mb = micro[k]
-            mb_prompts, mb_responses = [prompts[i] for i in mb], [responses[i] for i in mb]
+            mb_prompts = [prompts[i] for i in micro[k]]
+            mb_responses = [responses[i] for i in micro[k]]
             ref = None
             if params.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = response_logprobs(ref_model, mb_prompts, mb_responses, pad_id,
                                                params.temperature, params.top_p)
-
-            def chunk_loss(rows: list[int], logp: torch.Tensor, scored: torch.Tensor,
-                           mb: list[int] = mb, ref: torch.Tensor | None = ref) -> torch.Tensor:
-                """The loss of the rows ``rows`` of ``mb``; adds to the metrics."""
-                idx = [mb[j] for j in rows]
-                old = _scatter_rows([behaviour[i] for i in idx], scored)
-                if per_token is None:
-                    adv = torch.tensor([advantages[i] for i in idx], device=device)[:, None]
-                else:  # turn credit: each turn's tokens their turn's advantage
-                    adv = _scatter_rows([per_token[i] for i in idx], scored)
-                if masks:  # multi-turn: observation tokens take no part in the loss
-                    scored = scored & (_scatter_rows([masks[i] for i in idx], scored) > 0)
-                key = tuple(idx)
-                if params.tis_cap is not None and key not in prox:  # no step yet: own logps
-                    prox[key] = logp.detach()
-                parts = policy_loss(logp, old, adv, scored,
-                                    None if ref is None else ref[rows, :logp.shape[1]],
-                                    params.loss_params, n_tokens, prox.get(key))
-                totals["loss"] += parts.loss.item() / params.epochs
-                for name, value in parts.sums().items():
-                    if name in totals:
-                        totals[name] += value / n_tokens / params.epochs
-                if params.tis_cap is not None:
-                    mine = scored & torch.tensor(older[idx], device=device)[:, None]  # [b, r]
-                    older_totals["older_tokens"] += mine.sum().item() / params.epochs
-                    for name, value in parts.sums(mine).items():
-                        if name + "_older" in older_totals:
-                            older_totals[name + "_older"] += value / params.epochs
-                return parts.loss * scale
-
             backward_logprobs(model, mb_prompts, mb_responses, pad_id, params.temperature,
-                              chunk_loss, pad_passes=agreed - chunks[k], top_p=params.top_p)
+                              _chunk_loss(batch, micro[k], ref, params, prox, totals, scale),
+                              pad_passes=agreed - chunks[k], top_p=params.top_p)
         if ranks is not None:
             sync_gradients(forward, pad_id)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
-        nonfinite = not (math.isfinite(float(full_tensor(grad_norm)))
-                         and math.isfinite(totals["loss"] - loss_before))
-        if ranks is not None:  # this rank's share of the loss: every rank must agree
-            nonfinite = all_reduce_sum({"nonfinite": float(nonfinite)}, device)["nonfinite"] > 0
-        if nonfinite:  # the weights stay as they are: no step, no further epoch
+        finite = _is_finite_step(grad_norm, totals.sums["loss"] - loss_before, ranks, device)
+        if not finite:  # the weights stay as they are: no step, no further epoch
             optimizer.zero_grad(set_to_none=True)
             break
         optimizer.step()
     model.eval()
     padding = params.epochs * (sum(a - c for a, c in zip(passes, chunks))
                                + sum(1 + a for a in passes[len(micro):]))
-    counts = {"micro_batches": len(micro), "forward_tokens": prompt_tokens + n_tokens,
-              "forward_tokens_naive": sum(len(prompts[i]) for i in keep) + n_tokens,
-              "padding_passes": padding}
-    if ranks is not None:  # every rank's share; n_tokens is already the batch's
-        local = {"micro_batches": len(micro), "forward_tokens": prompt_tokens,
-                 "forward_tokens_naive": sum(len(prompts[i]) for i in keep),
-                 "padding_passes": padding}
-        summed = all_reduce_sum(totals | local, device)
-        totals = {k: summed[k] for k in totals}
-        counts = {k: int(summed[k]) + (n_tokens if k.startswith("forward_tokens") else 0)
-                  for k in local}
-    if params.tis_cap is not None:
-        totals |= older_summary(older_totals, n_tokens, device, ranks)
-    return totals | counts | {
-        "grad_norm": float(full_tensor(grad_norm)),
-        "tokens": n_tokens,
-        "nonfinite_update": float(nonfinite),
-    }
+    local = {"micro_batches": len(micro),
+             "forward_tokens": sum(sum(map(len, {tuple(prompts[i]) for i in mb}))
+                                   for mb in micro),
+             "forward_tokens_naive": sum(len(prompts[i]) for i in keep),
+             "padding_passes": padding}
+    return (_batch_metrics(totals, local, ranks, device)
+            | {"grad_norm": float(full_tensor(grad_norm)), "tokens": batch.n_tokens,
+               "nonfinite_update": float(not finite)})
+
+
+def _batch_metrics(totals: LossTotals, local: dict, ranks: Ranks | None,
+                   device: torch.device) -> dict:
+    """The whole batch's loss terms and counts (over every rank's share); the forward token
+    counts include the batch's trained tokens."""
+    sums = totals.sums
+    if ranks is not None:
+        summed = all_reduce_sum(sums | local, device)
+        sums, local = {k: summed[k] for k in sums}, {k: int(summed[k]) for k in local}
+    counts = {k: v + (totals.n_tokens if k.startswith("forward_tokens") else 0)
+              for k, v in local.items()}
+    if totals.tis:
+        sums = sums | older_summary(totals.older, totals.n_tokens, device, ranks)
+    return sums | counts
 
 
 def older_summary(sums: dict[str, float], n_tokens: int, device: torch.device,
