@@ -1,18 +1,31 @@
-"""The policy loss of one chunk of sequences, a pure function of its tensors.
+"""The objective, stated once, and the loss of one chunk of sequences as a pure function.
 
-For every response token t the loss mask admits (``mask``: [B, T] bool)::
+For every response token t the loss mask admits (``mask``: [B, T] bool; multi-turn rows
+admit their generated tokens only), with ``A`` the token's advantage (its sequence's, or its
+turn's under turn credit: ``ops/algo/advantage.py``)::
 
-    pg_t  = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)   (ops/algo/offpolicy)
-    kl_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     (k3 estimator)
-    loss  = sum_t (pg_t + kl_coef * kl_t) / n_tokens
+    w_t     = min(exp(prox_t - behav_t), tis_cap)                    (no gradient)
+    ratio_t = exp(logp_t - prox_t)
+    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)
+    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1              (k3 estimator)
+    loss    = sum_t (pg_t + kl_coef * kl_t) / n_tokens
 
-``n_tokens`` is the whole batch's count of trained tokens, so that chunk losses, micro-batches
-and ranks add up to the batch's token-level mean (``ops/algo/update.py`` drives them). Without
-a reference (``ref_logprobs=None``) there is no KL term; without ``tis_cap`` ``w_t = 1`` and the
-ratio is taken against the behaviour policy.
+``behav_t`` is the log-probability recorded at generation, ``prox_t`` the trainer's own before
+this update (the proximal policy), ``logp_t`` the policy being optimised.
+As deltas from the papers:
 
-Nothing here packs, loops or reduces across ranks: the caller passes the tensors of one chunk
-and adds ``LossParts.sums`` to its running metrics.
+- PPO's clipped surrogate, with GRPO's group-relative advantage and no value model;
+- token-level aggregation (DAPO, Dr. GRPO): ``n_tokens`` is the whole batch's count of
+  trained tokens, so every token weighs the same whichever sequence it is in, and chunk
+  losses, micro-batches and ranks add up to the batch's mean; no per-sequence length term;
+- the KL to the reference is the k3 estimator inside the loss (GRPO), 0 by default;
+- on-policy (sync mode, ``tis_cap=None``): ``prox = behav``, so ``w_t = 1`` and the ratio is
+  taken against the behaviour policy, PPO exactly;
+- off-policy (async and replay modes): the decoupled objective (AReaL) with a truncated
+  importance weight (TIS, as in verl and Yao et al.), ``ops/algo/offpolicy.py``.
+
+Nothing here packs, loops or reduces across ranks: the caller (``ops/algo/update.py``) passes
+the tensors of one chunk and adds ``LossParts.sums`` to its running metrics.
 """
 
 from __future__ import annotations

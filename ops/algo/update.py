@@ -1,20 +1,13 @@
-"""The update stage: one clipped policy-gradient step on a batch of trainable rollouts.
+"""The update stage: ``epochs`` clipped policy-gradient steps on a batch of trainable rollouts.
 
-For every response token t of every sequence::
-
-    ratio_t = exp(logp_t - behaviour_logp_t)
-    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)
-    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator)
-    loss    = sum_t (pg_t + kl_coef * kl_t) / (response tokens in the batch)
-
-The loss of one chunk is ``ops/algo/loss.py::policy_loss``, a pure function of its tensors;
-this module drives it (packing, passes, epochs, metrics, the ranks' all-reduce).
+The objective is ``ops/algo/loss.py``'s (stated there once); this module drives it: it
+reads and checks the batch (``read_batch``), packs it, runs the forward and backward passes,
+the epochs and the ranks' all-reduce, and keeps the metrics (``LossTotals``).
 
 Multi-turn rollouts carry a ``loss_mask``: the sums then run over generated tokens only, and
 observation tokens (whose ``logprobs`` are placeholders) add no term to the loss or the KL.
 
-Token-level aggregation: every token of the batch weighs the same, whichever sequence it
-belongs to (DAPO / Dr. GRPO). Sequences are packed into micro-batches of at most
+Sequences are packed into micro-batches of at most
 ``micro_batch_tokens`` padded tokens and their gradients accumulated, so memory is bounded by
 the budget, not by the batch. The samples of a group share their prompt's forward pass
 (``response_logprobs``), as generation shares its prefill: with n samples per prompt the
@@ -30,13 +23,11 @@ and the remaining epochs are not run; the metrics say so (``nonfinite_update`` =
 and gradient norm as they were) and the driver decides (``nonfinite_policy``). With
 ``epochs`` = 1 the weights and optimizer state are then exactly those before the batch.
 
-Off-policy batches (async and replay modes) set ``tis_cap``: the ratio is then taken against
-the trainer's own log-probabilities before this update (the proximal policy, recorded at the
-first epoch) and each token's loss is weighted by ``min(pi_prox / pi_behaviour, tis_cap)``;
-``ops/algo/offpolicy.py`` states the objective and a hand-checkable example. The weights of the
-rows generated before the batch's newest version (the replayed rows, in the replay modes)
-are reported apart as well (``tis_weight_mean_older``, ``tis_truncated_frac_older``, over
-``older_token_frac`` of the tokens).
+Off-policy batches (async and replay modes) set ``tis_cap``: the proximal logprobs are the
+trainer's own at the first epoch. The weights of the rows generated before the batch's
+newest version (the replayed rows, in the replay modes) are reported apart as well
+(``tis_weight_mean_older``, ``tis_truncated_frac_older``, over ``older_token_frac`` of the
+tokens).
 """
 
 from __future__ import annotations
