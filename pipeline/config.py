@@ -65,6 +65,14 @@ class ConfigError(ValueError):
     """A bad key or value in the configuration; the message is one actionable line."""
 
 
+def one_line(check, *args) -> None:
+    """``check(*args)``, its ``ValueError`` (already one line) raised as a ``ConfigError``."""
+    try:
+        check(*args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 @dataclass(frozen=True)
 class Config:
     # run
@@ -221,6 +229,15 @@ class Config:
     job_start_timeout_s: float = 600.0  # a job not running a worker by then is an error
 
     def __post_init__(self) -> None:
+        """Every value checked; a bad one is a ``ConfigError`` of one line naming its key."""
+        self._check_name_and_choices()
+        self._check_numbers()
+        self._check_algorithm()
+        self._check_cluster()
+        self._check_engine()
+        self._check_episodes()
+
+    def _check_name_and_choices(self) -> None:
         if not RUN_NAME.fullmatch(self.name):
             raise ConfigError(f"name = {self.name!r} is not allowed: a run name is one path "
                               "component of letters, digits, '.', '_' and '-' that starts with "
@@ -229,6 +246,8 @@ class Config:
             value = getattr(self, key)
             if value not in allowed:
                 raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
+
+    def _check_numbers(self) -> None:
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
                     "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens", "max_turns",
@@ -241,10 +260,7 @@ class Config:
                     "emulate_time_scale", "stall_timeout_factor", "min_stall_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
-        try:
-            self.scaling_knobs()
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        one_line(self.scaling_knobs)
         if set(self.prices) != {"gen", "train"}:
             raise ConfigError(f"prices = {self.prices} must price exactly the pools gen, train")
         if not 0 < self.collapse_drop <= 1 or not self.collapse_length_growth >= 1:
@@ -260,6 +276,18 @@ class Config:
             raise ConfigError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.kl_coef < 0 or self.clip_eps <= 0:
             raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
+        for key, least in (("checkpoint_every", 1), ("keep_checkpoints", 1),
+                           ("max_recoveries", 0), ("max_rollbacks", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"{key} = {getattr(self, key)} must be >= {least}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization = {self.gpu_memory_utilization} must be "
+                              "in (0, 1]: the share of memory each vllm engine takes")
+        if self.tiny_context < 0:
+            raise ConfigError(f"tiny_context = {self.tiny_context} must be >= 0 (0: the tiny "
+                              "model's context as built)")
+
+    def _check_algorithm(self) -> None:
         if self.turn_credit not in ("episode", "return_to_go"):
             raise ConfigError(f"turn_credit = {self.turn_credit!r}: allowed 'episode', "
                               "'return_to_go'")
@@ -272,6 +300,10 @@ class Config:
             raise ConfigError(f"n_samples = {self.n_samples} must be >= 2 for algorithm = "
                               f"{self.algorithm!r}: a group of one sample has advantage 0, "
                               "so nothing would be trained")
+        check_mode(self)
+
+    def _check_cluster(self) -> None:
+        """Batch jobs, security, trackers, file modes."""
         if self.gen_gpus < 0 or self.train_gpus < 0:
             raise ConfigError("gen_gpus and train_gpus must be >= 0")
         if not 0 < self.job_start_timeout_s < math.inf:
@@ -292,26 +324,14 @@ class Config:
             raise ConfigError(f"worker_lifetime = {self.worker_lifetime!r} must be shorter than "
                               f"walltime = {self.walltime!r}: workers leave before the batch "
                               "system ends their jobs")
-        for key, least in (("checkpoint_every", 1), ("keep_checkpoints", 1),
-                           ("max_recoveries", 0), ("max_rollbacks", 0)):
-            if getattr(self, key) < least:
-                raise ConfigError(f"{key} = {getattr(self, key)} must be >= {least}")
         if not 0 <= self.run_umask <= 0o077:
             raise ConfigError(f"run_umask = {self.run_umask:#o} must be a umask from 0o000 to "
                               "0o077 (the run's own user must keep reading and writing its "
                               "files), e.g. 0o077 (private) or 0o022 (readable by all)")
-        try:
-            check_security(self.security)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        try:
-            check_report_to(self.report_to)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        check_mode(self)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization = {self.gpu_memory_utilization} must be "
-                              "in (0, 1]: the share of memory each vllm engine takes")
+        one_line(check_security, self.security)
+        one_line(check_report_to, self.report_to)
+
+    def _check_engine(self) -> None:
         if self.colocate and (self.device == "cpu" or not cuda_available()):
             raise ConfigError("colocate = true needs a CUDA device: vLLM's sleep mode, which "
                               "frees the device for the trainer, does not run on CPU")
@@ -320,15 +340,15 @@ class Config:
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
         if self.backend != "emulated":  # the emulated pools' tasks: pipeline/train/emulated.py
-            try:
-                check_engine(self.backend, self.gen_dtype)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+            one_line(check_engine, self.backend, self.gen_dtype)
         if self.lora_rank and self.backend == "vllm":
             try:
                 check_vllm_lora(self.lora_rank, self.lora_target_modules)
             except ValueError as err:
                 raise ConfigError(f"backend = 'vllm': {err}") from None
+
+    def _check_episodes(self) -> None:
+        """Environments, datasets, agents."""
         if self.environment and ":" not in self.environment \
                 and self.environment not in BUILTIN_ENVIRONMENTS:
             raise ConfigError(f"environment = {self.environment!r}: use one of "
@@ -343,9 +363,6 @@ class Config:
                               "'reasoning-gym:<task>', not a file; remove it")
         self.environment_routes()  # raises for a malformed [environments] entry
         check_env_prompts(self)
-        if self.tiny_context < 0:
-            raise ConfigError(f"tiny_context = {self.tiny_context} must be >= 0 (0: the tiny "
-                              "model's context as built)")
         if self.agent and ":" not in self.agent and self.agent not in BUILTIN_AGENTS:
             raise ConfigError(f"agent = {self.agent!r}: use 'module:function' or one of "
                               f"{sorted(BUILTIN_AGENTS)}")
