@@ -1,4 +1,5 @@
-"""Agent episodes: user code that calls an OpenAI-compatible endpoint, trained token-exact.
+"""Agent episodes: user code that calls an OpenAI- or Anthropic-compatible endpoint, trained
+token-exact.
 
 ``agent = "module:function"`` names a function ``agent(client, row, model) -> reward``: an
 ``openai.OpenAI`` client set up for its episode (the worker's endpoint, the episode's own

@@ -16,6 +16,8 @@ OpenAI messages.
   blocks (``tools.parse_tool_calls``: the Hermes format, which the embedded tool task and
   many chat models use) become the message's ``tool_calls``, the text around them its
   ``content``.
+* **other APIs**: ``text_of``, ``chat_tool`` and ``require_strings`` read the Responses and
+  Messages APIs' text parts and tools as chat's (``agent_responses.py``, ``agent_messages.py``).
 * **stop strings**: a sample is cut after the first token whose text completes a stop
   string; its ids end there (finish reason "stop"), so what is recorded is what the agent got.
 """
