@@ -29,7 +29,7 @@ from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
 from .cluster.security import check_security
-from .report.trackers import check_report_to
+from .report.trackers.names import check_report_to
 
 CHOICES = {
     "algorithm": ("grpo", "rloo"),

@@ -3,7 +3,7 @@
 * ``LivePlot``: pass it as ``train(..., on_metrics=LivePlot(cfg.iterations))``; it redraws one
   figure in place after every iteration and evaluation — a progress line (iteration i of n,
   seconds so far) over the reward and held-out accuracy curves;
-* ``graph_image``: the iteration graph of a config (``cli.render_graph``) as an inline image;
+* ``graph_image``: the iteration graph of a config (``train/render.py``) as an inline image;
 * ``table``: rows (dicts) as an HTML table; ``iterations_table``: chosen metrics of a run's
   iterations, one row each;
 * ``scenario``: one of the simulator's built-in scenarios, with fewer iterations if asked.
@@ -22,9 +22,9 @@ from pathlib import Path
 from IPython.display import HTML, Image, display
 from matplotlib.figure import Figure
 
-from ..cli import render_graph
 from ..config import Config
 from ..sim.simulate import Scenario, paper_scenarios
+from ..train.render import render_graph
 from .page import html_table
 from .run_data import RunData
 

@@ -29,12 +29,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # config.py imports check_report_to from here
+from .names import tracker_names
+
+if TYPE_CHECKING:
     from ...config import Config
     from ...durable.runs import RunDir
 
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
-AUTO = "auto"  # TensorBoard when it is installed, as runs did before report_to existed
 NOT_SCALARS = {"iteration", "time"}  # the step, and the wall clock of the record
 
 
@@ -50,28 +50,6 @@ class Tracker(Protocol):
     def finish(self, artifacts: Path | None, failed: bool) -> None:
         """``artifacts``: the folder of the report and graph, or None (none written, or the
         run failed); ``failed``: the run ended by an exception."""
-
-
-def check_report_to(report_to: list[str]) -> None:
-    """``ValueError`` with one line if ``report_to`` names an unknown or uninstalled tracker."""
-    for name in report_to:
-        if name != AUTO and name not in TRACKERS:
-            raise ValueError(f"report_to = {report_to}: {name!r} is not a tracker; choose any "
-                             f"of {(AUTO, *TRACKERS)} (auto: tensorboard when installed)")
-        if name != AUTO and importlib.util.find_spec(name) is None:
-            raise ValueError(f"report_to = {report_to}: {name!r} is named but its package is "
-                             f"not installed; pip install 'rlhfless[{name}]', or remove it")
-
-
-def tracker_names(report_to: list[str]) -> list[str]:
-    """The trackers ``report_to`` stands for, in its order, ``auto`` resolved."""
-    names: list[str] = []
-    for name in report_to:
-        if name == AUTO:
-            name = "tensorboard" if importlib.util.find_spec("tensorboard") else None
-        if name is not None and name not in names:
-            names.append(name)
-    return names
 
 
 def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
@@ -142,7 +120,7 @@ class Trackers:
 def write_artifacts(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Path | None:
     """The run's report and iteration graph in ``<run>/report``; None where neither could be
     written (each failure said in one line)."""
-    from ...cli import render_graph
+    from ...train.render import render_graph
     from ..page import write_report
 
     folder, wrote = run.path / "report", False

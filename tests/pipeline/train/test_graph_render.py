@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from rlhfless.pipeline.cli import render_graph
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.task_keys import ITERATION_STAGES as STAGES
 from rlhfless.pipeline.task_keys import STAGE_COLOURS
+from rlhfless.pipeline.train.render import render_graph
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' is not installed")
