@@ -11,7 +11,7 @@
     tb/                  TensorBoard scalars (report_to; by default when tensorboard is installed)
     wandb/ mlflow.db mlflow-artifacts/ trackio/   the other trackers' local stores (report_to)
     rollouts/iter-N.parquet   every sample of iteration N
-    weights/vN.safetensors    the newest published policy versions
+    weights/vN.safetensors    the newest published policy versions (vN/: a LoRA run's adapter)
     checkpoints/iter-N/       zarr v3 checkpoints, committed atomically (checkpoint.py)
     .rlhfless-run        marker: this directory is a run (only such a directory is overwritten)
     .lock                held (``flock``) by the one process that owns the run while it lives
