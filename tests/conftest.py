@@ -1,5 +1,5 @@
 """Shared fixtures: a small tiny-model build (few warm-start steps) cached per session, and
-one finished elastic run that the report, TensorBoard and notebook tests read. Under
+one finished elastic run that the report, tracker and notebook tests read. Under
 ``RLHFLESS_NO_SKIPS=1`` (``.ci/run`` sets it) a skipped test fails: CI runs every test."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,45 +61,54 @@ def test_mlflow_has_the_config_every_metric_and_the_report(finished_run):
     assert (finished_run / "mlflow-artifacts").is_dir()  # in the run directory
 
 
-def wandb_records(path: Path):
-    """The records of a ``.wandb`` file, as W&B's protobuf ``Record``s: a 7-byte header, then
-    32 KiB blocks of chunks (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last)."""
+def wandb_records(folder: Path) -> list:
+    """The records of the ``.wandb`` file of the one offline run under ``folder``, as W&B's
+    protobuf ``Record``s, once its exit record is there (W&B's core process may write the
+    file after ``finish`` returned). The file: a 7-byte header, then 32 KiB blocks of chunks
+    (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, pending = path.read_bytes(), 7, b""
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header: padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
+    [path] = folder.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60
+    while True:
+        data, pos, pending, records = path.read_bytes(), 7, b"", []
+        assert data[:4] == b":W&B"
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 or pos + 7 + length > len(data):
+                break
+            pending += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                records.append(pb.Record.FromString(pending))
+                pending = b""
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path}: no exit record after 60 s"
+        time.sleep(0.2)
+
+
+def history(records: list) -> list[dict]:
+    """The rows logged, in order, keyed as logged."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json)
+             for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_run_has_the_config_every_metric_and_the_report(finished_run):
+    records = wandb_records(finished_run)
+    got = sorted((k, row["iteration"], v) for row in history(records) for k, v in row.items()
+                 if k != "iteration" and not k.startswith("_"))
+    assert got == expected(finished_run)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["name"] == "finished" and config["iterations"] == 2
+    [exit_record] = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 0
     [offline] = (finished_run / "wandb").glob("offline-run-*")
-    got, config, exit_code = [], {}, None
-    for record in wandb_records(next(offline.glob("run-*.wandb"))):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                   for item in record.history.item}
-            got += [(k, row["iteration"], v) for k, v in row.items()
-                    if k != "iteration" and not k.startswith("_")]
-        elif kind == "run":  # the config given to wandb.init
-            config |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
-        elif kind == "exit":
-            exit_code = record.exit.exit_code
-    assert sorted(got) == expected(finished_run)
-    assert config["name"] == "finished" and config["iterations"] == 2 and exit_code == 0
     assert REPORT <= {p.name for p in (offline / "files" / "report").iterdir()}
 
 
@@ -147,3 +157,16 @@ def test_a_tracker_failing_mid_run_is_said_and_dropped_and_the_others_go_on(monk
     events = EventAccumulator(str(run.path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("iteration/reward_mean")] == [1, 2]
+
+
+def test_wandb_keeps_an_iteration_logged_again_after_a_rollback(monkeypatch, tmp_path):
+    from rlhfless.pipeline.report.trackers.wandb import WandbTracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    tracker = WandbTracker(tmp_path, "again", {"iterations": 3})
+    for step in (1, 2, 1):  # back to iteration 1, as after a rollback to it
+        tracker.log({"iteration/reward_mean": step / 4}, step)
+    tracker.finish(None, failed=False)
+    rows = history(wandb_records(tmp_path))
+    assert [(r["iteration"], r["iteration/reward_mean"]) for r in rows] == [
+        (1, 0.25), (2, 0.5), (1, 0.25)]
