@@ -98,9 +98,8 @@ class Trackers:
     def open(self, names: list[str], cfg: Config, run_dir: Path) -> None:
         config = flat_config(cfg)
         for name in names:
-            module = importlib.import_module(f"{__name__}.{name}")
-            tracker = self.guarded(name, "start", lambda m=module, n=name: m.open_tracker(
-                config, run_dir, cfg.name, self.say))
+            tracker = self.guarded(name, "start", lambda n=name: importlib.import_module(
+                f"{__name__}.{n}").open_tracker(config, run_dir, cfg.name, self.say))
             if tracker is not None:
                 self.live[name] = tracker
 
