@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -28,7 +29,6 @@ from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
 
-from .cluster.security import check_security
 from .report.trackers.names import check_report_to
 
 CHOICES = {
@@ -63,6 +63,29 @@ MIN_WORKER_MEMORY = 512 << 20
 
 class ConfigError(ValueError):
     """A bad key or value in the configuration; the message is one actionable line."""
+
+
+SECURITY_KEYS: dict[str, type] = {
+    "enabled": bool, "require_encryption": bool, "tls_ca_file": str, "tls_ciphers": str,
+    "tls_client_cert": str, "tls_client_key": str, "tls_scheduler_cert": str,
+    "tls_scheduler_key": str, "tls_worker_cert": str, "tls_worker_key": str,
+}
+
+
+def check_security(section: Mapping[str, Any]) -> None:
+    """``ValueError`` (one line) for an unknown key, a value of the wrong type, or settings
+    given together with ``enabled = false``."""
+    for key, value in section.items():
+        kind = SECURITY_KEYS.get(key)
+        if kind is None:
+            raise ValueError(f"security key {key!r} is not a security setting; known: "
+                             f"{', '.join(sorted(SECURITY_KEYS))}")
+        if not isinstance(value, kind):
+            raise ValueError(f"security.{key} = {value!r} must be of type {kind.__name__}")
+    if section.get("enabled") is False and len(section) > 1:
+        others = sorted(k for k in section if k != "enabled")
+        raise ValueError(f"security.enabled = false turns TLS off, but {others} are set; "
+                         "remove one or the other")
 
 
 def one_line(check, *args) -> None:

@@ -124,3 +124,45 @@ def test_the_tree_passes_its_linter():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# The pipeline's parts, lowest first: each imports only parts before it. A module that
+# imports nothing of the pipeline (a table of names) may be imported from anywhere.
+PIPELINE_ORDER = ("task_keys", "config", "tasks", "cluster", "durable", "specs", "train",
+                  "sim", "report", "explain", "cli")
+# the imports against that order that are left, each to go (the test fails when one is gone,
+# so that it leaves this list, and when another appears)
+KNOWN_UPWARD = {
+    ("tasks", "durable"): "the trainer task reads and writes its zarr state with "
+                          "durable/checkpoint.py",
+    ("train", "report"): "the loop records each iteration (metrics, trace, trackers, the "
+                         "policy's observations) through report/",
+}
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["rlhfless", "pipeline"] and len(parts) > 2 else None
+
+
+def test_the_pipelines_parts_import_only_the_parts_before_them():
+    source = modules()
+    known = set(source)
+    leaves = {name for name, path in source.items()
+              if not any(_part(m) for m, _ in imports(name, path) if m in known or _part(m))}
+    upward: dict[tuple[str, str], list[str]] = {}
+    for name, path in source.items():
+        part = _part(name)
+        if part not in PIPELINE_ORDER:
+            continue
+        for module, taken in imports(name, path):
+            targets = [t for t in (f"{module}.{n}" for n in taken) if t in known] or [module]
+            for target in targets:
+                other = _part(target)
+                if other in PIPELINE_ORDER and other != part and target not in leaves \
+                        and PIPELINE_ORDER.index(other) > PIPELINE_ORDER.index(part):
+                    upward.setdefault((part, other), []).append(f"{name} imports {target}")
+    unexpected = {edge: where for edge, where in upward.items() if edge not in KNOWN_UPWARD}
+    assert not unexpected, f"imports against PIPELINE_ORDER: {unexpected}"
+    assert set(upward) == set(KNOWN_UPWARD), \
+        f"gone, so leave KNOWN_UPWARD: {sorted(set(KNOWN_UPWARD) - set(upward))}"

@@ -47,8 +47,8 @@ from distributed.security import Security
 from rlhfless.schedulers.dask.plugin import pool_of
 
 from ..config import Config, walltime_seconds
-from ..report.observe import install_sitemap
 from .security import make_security
+from .sitemap import install_sitemap
 
 # what every worker of every pool is told through its environment
 WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -81,7 +81,7 @@ class Pool:
 def scheduler_http(dashboard: bool) -> AbstractContextManager:
     """Dask's config for a scheduler made in the block (in this process): with the dashboard,
     distributed's pages and a ``/sitemap.json`` that no longer raises on the dashboard's
-    routes (``observe.Sitemap``); without it, the HTTP server (Dask always starts one, on
+    routes (``sitemap.Sitemap``); without it, the HTTP server (Dask always starts one, on
     ``dashboard_address``) answers its health check only."""
     if dashboard:
         install_sitemap()

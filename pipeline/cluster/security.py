@@ -47,29 +47,10 @@ from typing import Any
 
 from distributed.security import Security
 
-SECURITY_KEYS: dict[str, type] = {
-    "enabled": bool, "require_encryption": bool, "tls_ca_file": str, "tls_ciphers": str,
-    "tls_client_cert": str, "tls_client_key": str, "tls_scheduler_cert": str,
-    "tls_scheduler_key": str, "tls_worker_cert": str, "tls_worker_key": str,
-}
+from ..config import SECURITY_KEYS, check_security
+
 FILE_KEYS = tuple(k for k in SECURITY_KEYS if k.endswith(("_file", "_cert", "_key")))
 ROLES = ("client", "scheduler", "worker")
-
-
-def check_security(section: Mapping[str, Any]) -> None:
-    """``ValueError`` (one line) for an unknown key, a value of the wrong type, or settings
-    given together with ``enabled = false``."""
-    for key, value in section.items():
-        kind = SECURITY_KEYS.get(key)
-        if kind is None:
-            raise ValueError(f"security key {key!r} is not a security setting; known: "
-                             f"{', '.join(sorted(SECURITY_KEYS))}")
-        if not isinstance(value, kind):
-            raise ValueError(f"security.{key} = {value!r} must be of type {kind.__name__}")
-    if section.get("enabled") is False and len(section) > 1:
-        others = sorted(k for k in section if k != "enabled")
-        raise ValueError(f"security.enabled = false turns TLS off, but {others} are set; "
-                         "remove one or the other")
 
 
 def enabled(section: Mapping[str, Any]) -> bool:

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
     from ..cluster.pools import PoolCluster
-    from ..train.sampler import PromptSampler
+    from .sampler import PromptSampler
 
 TRAINER_WAIT_S = 300.0  # how long a trainer may take to come back after a crash
 FORGET_WAIT_S = 30.0  # how long the scheduler may take to drop an abandoned iteration

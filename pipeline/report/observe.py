@@ -9,9 +9,8 @@
   notebook's live plot). The trackers (TensorBoard, W&B, MLflow, trackio) are ``trackers/``.
 
 The dashboard is off unless ``dashboard = true`` (plain HTTP with no authentication: any user
-of the host may read it), and then the run says where it listens. ``install_sitemap`` mends
-distributed's ``/sitemap.json``, which raised on the dashboard's static routes and printed a
-traceback into the run's output at any local user's request.
+of the host may read it), and then the run says where it listens (its ``/sitemap.json``:
+``cluster/sitemap.py``).
 """
 
 from __future__ import annotations
@@ -22,43 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import distributed.http.routing
-from tornado.routing import PathMatches, RuleRouter
-
 from ..durable.runs import RunDir
-
-
-def _paths(router: RuleRouter, seen: set, out: set[str]) -> None:
-    """The path patterns of ``router``'s rules and of the routers below it."""
-    if router in seen:
-        return
-    seen.add(router)
-    for rule in [*router.named_rules.values(), *router.rules]:
-        if isinstance(rule.matcher, PathMatches):
-            out.add(rule.matcher.regex.pattern.rstrip("$"))
-        if isinstance(rule.target, RuleRouter):
-            _paths(rule.target, seen, out)
-
-
-class Sitemap(distributed.http.routing.DirectoryHandler):
-    """``/sitemap.json``: every route's path pattern (distributed's own listed the files
-    behind static routes and raised on those that name none, as the dashboard's do)."""
-
-    def get(self) -> None:
-        out: set[str] = set()
-        seen: set = set()
-        for app in [*self.application.applications, self.application]:
-            if hasattr(app, "app_paths"):  # bokeh's application
-                out.update(app.app_paths)
-            else:
-                _paths(app.default_router, seen, out)
-                _paths(app.wildcard_router, seen, out)
-        self.write({"paths": sorted(out)})
-
-
-def install_sitemap() -> None:
-    """Serve ``Sitemap`` from every HTTP server this process starts from now on."""
-    distributed.http.routing.DirectoryHandler = Sitemap
 
 
 @contextmanager

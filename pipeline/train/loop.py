@@ -40,6 +40,7 @@ from ..config import Config
 from ..durable import checkpoint as ckpt
 from ..durable.recovery import Durable, open_run
 from ..durable.runs import RunDir, umask
+from ..durable.sampler import PromptSampler
 from ..report.bookkeeping import (
     account,
     bill_env_wait,
@@ -55,7 +56,6 @@ from .elastic import ElasticGeneration
 from .guard import CollapseGuard, collapse_record, respond
 from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
-from .sampler import PromptSampler
 
 
 class Diverged(RuntimeError):

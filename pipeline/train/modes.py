@@ -117,9 +117,9 @@ from .graph import submit_update, trainable_graph
 if TYPE_CHECKING:
     from ..cluster.pools import PoolCluster
     from ..durable.recovery import Durable
+    from ..durable.sampler import PromptSampler
     from ..specs import Specs
     from .elastic import ElasticGeneration
-    from .sampler import PromptSampler
 
 
 def mode_specs(specs: Specs, cfg: Config) -> Specs:

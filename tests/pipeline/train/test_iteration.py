@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.durable.runs import RunDir, RunDirError
-from rlhfless.pipeline.train.loop import PromptSampler, train
+from rlhfless.pipeline.durable.sampler import PromptSampler
+from rlhfless.pipeline.train.loop import train
 
 
 def test_sampler_is_seeded_and_covers_each_epoch(tiny_model_dir):
