@@ -111,7 +111,9 @@ class FakeOutput:
 
 
 class FakeLLM:
-    """Records every call; answers ``generate`` with sample i of prompt p = [p0 + i, 7]."""
+    """Records every call; answers ``generate`` with sample i of prompt p = [p0 + i, 7]. A
+    stand-in only for what needs CUDA (vLLM's sleep mode, ``colocate``); the real CPU engine
+    runs everywhere else (test_vllm_backend.py)."""
 
     def __init__(self, model: str, **kwargs) -> None:
         self.model, self.kwargs, self.calls = model, kwargs, []
@@ -120,7 +122,7 @@ class FakeLLM:
     def get_tokenizer(self):
         return self.tok
 
-    def generate(self, prompts, requests, use_tqdm=True):
+    def generate(self, prompts, requests, use_tqdm=True, lora_request=None):
         self.calls.append(("generate", len(prompts), requests))
         outs = []
         for j, (prompt, sp) in enumerate(zip(prompts, requests, strict=True)):
