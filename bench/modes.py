@@ -56,7 +56,7 @@ from rlhfless.ops.toy.tinymodel import ensure_tiny_model
 from rlhfless.pipeline.cluster.pools import PoolCluster, pools_from_config
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.durable.runs import RunDir
-from rlhfless.pipeline.report.bookkeeping import heldout_rollouts
+from rlhfless.pipeline.train.evaluation import heldout_rollouts
 from rlhfless.pipeline.train.loop import load_prompt_sets, make_specs, resolve_model, train
 from rlhfless.schedulers.ledger import CostLedger
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -41,21 +42,17 @@ from ..durable import checkpoint as ckpt
 from ..durable.recovery import Durable, open_run
 from ..durable.runs import RunDir, umask
 from ..durable.sampler import PromptSampler
-from ..report.bookkeeping import (
-    account,
-    bill_env_wait,
-    evaluate,
-    say_reward_errors,
-    write_ledger,
-)
+from ..report.bookkeeping import account, bill_env_wait, say_reward_errors, write_ledger
 from ..report.observe import observed
 from ..report.trace import RunTrace, TaskStream
 from ..report.trackers import tracked
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
+from .evaluation import evaluate
 from .guard import CollapseGuard, collapse_record, respond
 from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
+from .render import render_graph
 
 
 class Diverged(RuntimeError):
@@ -98,7 +95,7 @@ def train(cfg: Config, overwrite: bool = False, progress: bool = True, log=print
         run = open_run(cfg, overwrite=overwrite, resume=resume)
         try:
             write_given_prompts(cfg, given)
-            with tracked(cfg, run, log):  # report_to: every metric, the report at the end
+            with tracked(cfg, run, partial(render_graph, cfg), log):  # report_to
                 _train_in(run, cfg, progress, log, on_metrics, resume)
         except BaseException:
             run.restore_replaced()  # nothing once the first iteration dropped the old run

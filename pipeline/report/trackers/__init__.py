@@ -2,7 +2,7 @@
 
 ``report_to`` lists any of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (the names TRL
 uses); ``auto``, the default, is TensorBoard when the ``tensorboard`` package is installed and
-nothing otherwise; ``[]`` is none. ``tracked(cfg, run, log)`` wraps a whole run:
+nothing otherwise; ``[]`` is none. ``tracked(cfg, run, draw_graph, log)`` wraps a whole run:
 
 * at the start it opens each tracker (one module each, beside this one, imported only when
   named), which logs the resolved config;
@@ -116,15 +116,15 @@ class Trackers:
         self.live.clear()
 
 
-def write_artifacts(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Path | None:
-    """The run's report and iteration graph in ``<run>/report``; None where neither could be
-    written (each failure said in one line)."""
-    from ...train.render import render_graph
+def write_artifacts(run: RunDir, draw_graph: Callable[[str], object],
+                    log: Callable[[str], None]) -> Path | None:
+    """The run's report and its iteration graph (``draw_graph(filename)``) in
+    ``<run>/report``; None where neither could be written (each failure said in one line)."""
     from ..page import write_report
 
     folder, wrote = run.path / "report", False
     for what, write in (("report", lambda: write_report(run.path, folder)),
-                        ("graph", lambda: render_graph(cfg, str(folder / "graph.png")))):
+                        ("graph", lambda: draw_graph(str(folder / "graph.png")))):
         try:
             write()
             wrote = True
@@ -135,9 +135,11 @@ def write_artifacts(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Pat
 
 
 @contextmanager
-def tracked(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Iterator[Trackers]:
+def tracked(cfg: Config, run: RunDir, draw_graph: Callable[[str], object],
+            log: Callable[[str], None]) -> Iterator[Trackers]:
     """Open the trackers of ``cfg.report_to``, feed them the run's metrics records while the
-    block runs, then hand them its artifacts (on a normal end) and finish them."""
+    block runs, then hand them its artifacts (on a normal end: the report, and the iteration
+    graph ``draw_graph(filename)`` draws) and finish them."""
     trackers = Trackers(log)
     trackers.open(tracker_names(cfg.report_to), cfg, run.path)
     run.listeners.append(trackers)
@@ -148,5 +150,5 @@ def tracked(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Iterator[Tr
     finally:
         run.listeners.remove(trackers)
         keeping = any(t.keeps_files for t in trackers.live.values())
-        artifacts = write_artifacts(cfg, run, log) if keeping and not failed else None
+        artifacts = write_artifacts(run, draw_graph, log) if keeping and not failed else None
         trackers.finish(artifacts, failed)

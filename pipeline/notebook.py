@@ -22,11 +22,11 @@ from pathlib import Path
 from IPython.display import HTML, Image, display
 from matplotlib.figure import Figure
 
-from ..config import Config
-from ..sim.simulate import Scenario, paper_scenarios
-from ..train.render import render_graph
-from .page import html_table
-from .run_data import RunData
+from .config import Config
+from .report.page import html_table
+from .report.run_data import RunData
+from .sim.simulate import Scenario, paper_scenarios
+from .train.render import render_graph
 
 
 class LivePlot:
