@@ -20,7 +20,7 @@ driver with Dask futures (the graph is decided as it runs):
    keep-alive) — the pool shrinks to what the update needs while the update runs.
 
 Every generation task (a chunk, a resumed or moved tail) declares its predicted work to the
-scheduler (``dask_plugin.generation_work``). In the async modes, where there is no
+scheduler (``plugin.generation_work``). In the async modes, where there is no
 iteration barrier, each batch also installs the policy's sizing rule in the scheduler
 (``ScalingPolicy.sizing``): from then on the pool's target follows the queued work
 (``ElasticityPlugin``: work that can use more workers than this controller planned, such

@@ -15,7 +15,7 @@ made on one generation worker would all be generated there, and dedup left free 
 anywhere could also land on a trainer busy with an update, holding back the next batch.
 Groups never straddle shards, so advantages are computed per shard, as soon as that shard is
 scored. Given the elastic policy, each generate task declares its predicted work to the
-scheduler (``dask_plugin.generation_work``): an equal share of its batch's, as the shards
+scheduler (``plugin.generation_work``): an equal share of its batch's, as the shards
 are cut on the trainer after the graph is submitted (``split_balanced``: equal prompt
 tokens).
 

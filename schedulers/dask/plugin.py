@@ -3,7 +3,7 @@
 ``ElasticityPlugin`` runs inside the Dask scheduler. It holds the worker count the elastic
 policy wants for each pool (``set_pool_target``, from the driver, where the policy has the
 batch's predicted lengths; between the driver's decisions, from the queued work: below)
-and answers the cluster's ``PoolAdaptive`` (``dask_adaptive.py``)
+and answers the cluster's ``PoolAdaptive`` (``adaptive.py``)
 through two scheduler handlers it installs at start:
 
 * ``elastic_target(pool)``: the pool's target, or None when none was set;
