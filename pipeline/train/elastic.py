@@ -60,7 +60,6 @@ from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.engine.registry import engine_class
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.schedulers.dask.plugin import (
-    drain_target_changes,
     generation_work,
     install_sizing,
 )
@@ -70,7 +69,7 @@ from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingPolicy
 from ..cluster.pools import PoolCluster
 from ..config import Config
 from ..durable.runs import RunDir
-from ..task_keys import iteration_of, stage_of, task_key
+from ..task_keys import stage_of, task_key
 from ..tasks.scoring import advantage_task, reward_task
 from ..tasks.tail import (
     TailLost,
@@ -80,6 +79,7 @@ from ..tasks.tail import (
     resume_adopted_task,
     take_tail_task,
 )
+from .generation import Generating, Generation
 
 
 def generation_tasks(backend: str):
@@ -120,33 +120,21 @@ class TailMove:
         return task_key(stage, self.iteration, self.shard, self.index, tag=tag)
 
 
-class ElasticGeneration:
+class ElasticGeneration(Generation):
     """Generation of one iteration under the elastic policy; see the module docstring."""
 
     def __init__(self, pc: PoolCluster, cfg: Config, run: RunDir, scaling: ScalingPolicy,
                  rest_workers: float | None = None) -> None:
         """``rest_workers``: generation workers' worth billed while the rest of the step runs
         (default: the trainer's workers)."""
-        self.pc, self.cfg, self.run, self.scaling = pc, cfg, run, scaling
+        super().__init__(pc, cfg, run, scaling)
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         self.tasks = generation_tasks(cfg.backend)
         # an engine that cannot export its KV (vllm, the emulated one) moves by recompute
         self.kv_moves = cfg.backend != "emulated" and engine_class(cfg.backend).exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
-        self.iteration = 0  # the last generated
 
     # ---- decisions ---------------------------------------------------------------------
-
-    def log(self, iteration: int, **record) -> dict:
-        record = {"t": time.time(), "iteration": iteration} | record
-        self.run.append_jsonl("decisions.jsonl", record)
-        return record
-
-    def log_queue_targets(self, iteration: int) -> None:
-        """Write the target changes the queued work made in the scheduler (each under the
-        iteration of the task that made it)."""
-        for change in self.pc.client.run_on_scheduler(drain_target_changes):
-            self.log(iteration_of(change.pop("key")) or iteration, **change)
 
     def scale_pool(self, prompts: pa.Table, iteration: int):
         """Choose the worker count and assignment; grow or retire the pool to match."""
@@ -173,6 +161,11 @@ class ElasticGeneration:
         return decision, workers, record
 
     # ---- one iteration -----------------------------------------------------------------
+
+    def generate(self, batch: pa.Table, weights: WeightsRef, iteration: int, target: int,
+                 specs, seed: int) -> Generating:
+        plan, trainables, facts = self.run_generation(batch, weights, iteration, specs, seed)
+        return Generating(plan, trainables, facts)
 
     def run_generation(self, batch: pa.Table, weights: WeightsRef, iteration: int, specs,
                        seed: int) -> tuple[object, list, dict]:

@@ -49,6 +49,7 @@ from ..report.trackers import tracked
 from ..specs import load_prompt_sets, make_specs, resolve_model
 from .elastic import ElasticGeneration
 from .evaluation import evaluate
+from .generation import GraphGeneration
 from .guard import CollapseGuard, collapse_record, respond
 from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
 from .modes import ModeRunner, mode_specs
@@ -131,13 +132,14 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
         supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
         stream, trace = TaskStream(pc.client), RunTrace(run.path / "trace.json", resume=resume)
-        eg = ElasticGeneration(pc, cfg, run, scaling)
+        generation = (ElasticGeneration if cfg.policy == "elastic" else GraphGeneration)(
+            pc, cfg, run, scaling)
         durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
         done, weights = durable.start(sampler, scaling, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})
         bar = tqdm(total=cfg.iterations, initial=done, disable=not progress, desc="train")
-        runner, started = ModeRunner(cfg, pc, eg, specs, sampler, durable), time.time()
+        runner, started = ModeRunner(cfg, pc, generation, specs, sampler, durable), time.time()
         durable.track(runner.state_dict)
         guard = CollapseGuard.from_records(cfg, run.metrics())
         if guard.rollbacks:  # a resumed run goes on at the rate its last rollback set
@@ -198,7 +200,7 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
                     f"{cfg.max_wall_s:g} s of training reached")
                 break
         runner.close()  # batches generated ahead of a stop
-        eg.log_queue_targets(done)
+        generation.log_queue_targets(done)
         say_stalls(run, pc, log)
         trace.write(stream.take(), {})
         trace.close()
