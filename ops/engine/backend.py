@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef
+from .engine_types import Chunk, EngineSpec, SamplingParams, StopRule, Turn, WeightsRef
 from .gen_stats import GenerationStats
 from .generate import (
     Decoding,
@@ -30,7 +30,14 @@ from .generate import (
     prefill_prompts,
     run_decoding,
 )
-from .kv_transfer import TailKV, export_tail, import_tail, recompute_tail, split_tail
+from .kv_transfer import (
+    TailKV,
+    export_tail,
+    import_tail,
+    kv_bytes_per_token,
+    recompute_tail,
+    split_tail,
+)
 from .lora import LoraSpec, add_adapters
 from .protocol import GenerationBackend
 from .publish import load_weights
@@ -99,6 +106,11 @@ class HFBackend(GenerationBackend):
         engine = cls(getattr(model, "name_or_path", "") or "<in memory>")
         engine.model, engine._tokenizer, engine.version = model, tokenizer, version
         return engine
+
+    @classmethod
+    def kv_bytes_per_token(cls, spec: EngineSpec) -> float:
+        dtype = resolve_dtype(spec.dtype, resolve_device(spec.device))
+        return kv_bytes_per_token(spec.model_path, torch.empty(0, dtype=dtype).element_size())
 
     def load(self) -> None:
         started = time.perf_counter()

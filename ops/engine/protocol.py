@@ -143,6 +143,13 @@ class GenerationBackend(ABC):
     def max_context(self) -> int | None:
         """Tokens the engine's model takes at most (prompt + response), None if unknown."""
 
+    @classmethod
+    def kv_bytes_per_token(cls, spec: EngineSpec) -> float | None:
+        """Bytes of one context token's KV cache on an engine of ``spec`` (at its weights'
+        dtype), for ``exports_kv`` engines: the prior of a KV move's cost, before a transfer
+        is measured. None for engines that export none."""
+        return None
+
     def check_context(self, longest: int) -> None:
         """A ``ValueError`` when ``longest`` tokens exceed the model's context."""
         check_limit(longest, self.max_context)

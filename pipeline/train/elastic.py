@@ -56,7 +56,6 @@ from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.shard import take_shards
 from rlhfless.ops.engine.engine_types import WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
-from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
 from rlhfless.ops.engine.registry import engine_class
 from rlhfless.ops.engine.seeds import generation_seed
 from rlhfless.schedulers.dask.plugin import (
@@ -187,7 +186,8 @@ class ElasticGeneration(Generation):
         self.exports: dict[str, list] = {}  # source -> futures of its exported tails
         self.lost: dict[str, TailMove | None] = {}  # a KV move's adopt/continue key -> it
         if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
-            self.scaling.kv.kv_bytes_per_token = kv_bytes_per_token(specs.gen.engine.model_path)
+            self.scaling.kv.kv_bytes_per_token = engine_class(
+                specs.gen.engine.backend).kv_bytes_per_token(specs.gen.engine)
         self.ac = as_completed()
         pieces: dict[int, list[Generated]] = {}
         for i, (shard, worker) in enumerate(zip(shards, workers)):

@@ -5,6 +5,7 @@ stand-in for ``vllm.LLM`` that records what it is asked."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from dataclasses import dataclass
@@ -190,3 +191,16 @@ def test_hf_backend_loads_the_dtype_asked_for(tiny_model_dir):
     assert engine.model.dtype == torch.float64
     with pytest.raises(ValueError, match="dtype 'int8': choose one of auto, float32"):
         make_engine(EngineSpec(str(tiny_model_dir), "cpu", dtype="int8")).load()
+
+
+def test_the_engine_reports_its_kv_bytes_per_token_at_its_dtype(tiny_model_dir):
+    """Keys and values of every layer, per context token, at the weights' element size: the
+    prior of a KV move's cost (before, fp32 whatever the engine's dtype)."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_number = 2 * config["num_hidden_layers"] * kv_heads * head_dim
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("float64", 8)):
+        spec = EngineSpec(str(tiny_model_dir), "cpu", dtype=dtype)
+        assert HFBackend.kv_bytes_per_token(spec) == per_number * size
+    assert VLLMBackend.kv_bytes_per_token(EngineSpec("m", backend="vllm")) is None  # no export
