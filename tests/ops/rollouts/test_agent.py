@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
-from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
@@ -30,13 +29,6 @@ from rlhfless.ops.rollouts.agent import (
 
 TEXTS = ["Items: fig pear\nAnswer:", "Items: plum\nAnswer:", "Count: kiwi lime\nAnswer:"]
 SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
-
-
-@pytest.fixture(scope="module")
-def engine(model64, tokenizer):
-    """Our engine on the float64 model: a recomputation differs from its logprobs only by
-    the table's float32 rounding (relative 6e-8 of values below 20: < 2e-6)."""
-    return HFBackend.of_model(model64, tokenizer)
 
 
 def _play(engine, prompts, agent: str, n: int = 2, **kw):

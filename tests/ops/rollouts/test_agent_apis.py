@@ -14,26 +14,12 @@ import openai
 import pytest
 from test_agent_stream import ASK, LOOKUP, tool_caller  # noqa: F401 (a fixture)
 
-from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.agent_server import AgentEndpoint
 
 FUNCTION = LOOKUP["function"]
 RESULT, FOLLOW_UP = "fig pear", "And box 8?"
-
-
-@pytest.fixture(scope="module")
-def server():
-    endpoint = AgentEndpoint()
-    endpoint.start()
-    yield endpoint
-    endpoint.stop()
-
-
-@pytest.fixture(scope="module")
-def engine(model64, tokenizer):
-    return HFBackend.of_model(model64, tokenizer)
 
 
 def _serve(server: AgentEndpoint, engine) -> None:

@@ -13,7 +13,6 @@ from distributed import Client, LocalCluster
 from distributed.security import Security
 from distributed.utils import get_ip
 
-from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts import agent
 from rlhfless.ops.rollouts.agent import AgentParams, endpoint, run_agent_episodes
@@ -30,11 +29,6 @@ from rlhfless.pipeline.cluster.security import run_credentials
 SAMPLING = SamplingParams(max_new_tokens=4, seed=5)
 PROMPT = "Items: fig\nAnswer:"
 HOST = get_ip()  # this machine's address towards other hosts (127.0.0.1 if it has none)
-
-
-@pytest.fixture(scope="module")
-def engine(model64, tokenizer):
-    return HFBackend.of_model(model64, tokenizer)
 
 
 @pytest.fixture

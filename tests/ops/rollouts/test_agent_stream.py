@@ -31,19 +31,6 @@ CALL = "<tool_call>" + json.dumps({"name": "lookup", "arguments": {"box": "7"}})
 
 
 @pytest.fixture(scope="module")
-def server():
-    endpoint = AgentEndpoint()
-    endpoint.start()
-    yield endpoint
-    endpoint.stop()
-
-
-@pytest.fixture(scope="module")
-def engine(model64, tokenizer):
-    return HFBackend.of_model(model64, tokenizer)
-
-
-@pytest.fixture(scope="module")
 def tool_caller(model, tokenizer):
     """The tiny model fitted to answer ``ASK`` (with ``LOOKUP`` offered) with ``CALL``, until
     its most likely token at every step of the call is the call's own (then greedy decoding
