@@ -34,21 +34,25 @@ from rlhfless.schedulers.pool_split import PoolSplit, split_for_overlap
 from ..config import Config
 from .deploy import Deployment, LocalDeployment, Pool
 
-GEN_TASKS = "rlhfless.pipeline.tasks.rollout"  # the generation pool's task module
-TRAIN_TASKS = "rlhfless.pipeline.tasks.trainer"  # the trainer's
+# the task modules each pool's workers import as they start, before any task: every module
+# whose tasks they run, so that no task's unpickling imports a framework while a task thread
+# imports it too (a tail's move, unpickled as the engine loaded, found transformers half
+# imported: "cannot import name 'DynamicCache'")
+GEN_TASKS = ("rlhfless.pipeline.tasks.rollout", "rlhfless.pipeline.tasks.tail")
+TRAIN_TASKS = ("rlhfless.pipeline.tasks.trainer",)
 ADAPT_INTERVAL_S = 1.0  # Adaptive's periodic check; scale() does not wait for it
 
 
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
     """The generation pool and the trainer (``train_workers`` ranks); an elastic generation
     pool starts with one worker and grows as the policy decides. Each pool's worker imports
-    its task module as it starts (``Pool.preload``)."""
+    its task modules as it starts (``Pool.preload``)."""
     return [
         Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
              cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives),
-             preload=(GEN_TASKS,)),
+             preload=GEN_TASKS),
         Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
-             cfg.train_gpus, tuple(cfg.train_job_directives), preload=(TRAIN_TASKS,)),
+             cfg.train_gpus, tuple(cfg.train_job_directives), preload=TRAIN_TASKS),
     ]
 
 
