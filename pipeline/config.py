@@ -28,6 +28,7 @@ from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
+from rlhfless.schedulers.sim.workloads import WORKLOADS
 
 from .report.trackers.names import check_report_to
 
@@ -48,6 +49,8 @@ CHOICES = {
     "task": ("tally", "tally-tool", "tally-long"),
     "agent_host": AGENT_HOSTS,
     "overlap_pools": ("fit_cores", "as_set"),
+    "weight_store": ("run", "cluster"),
+    "emulate_workload": tuple(WORKLOADS),
 }
 
 KNOBS = ScalingKnobs()
@@ -188,17 +191,24 @@ class Config:
     replay_longest: bool = False  # replay: replace the prompts predicted longest (costs accuracy)
     replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
-    keep_weights: int = 2  # published versions kept on disk (async: >= max_staleness + 2)
+    keep_weights: int = 2  # published versions kept (async: >= max_staleness + 2)
+    # where versions go: run (files in the run directory, which every worker must see) |
+    # cluster (held by the trainer, fetched worker to worker over Dask's comms: no shared disk)
+    weight_store: str = "run"
     policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra) |
-    # emulated | a registered name (ops/engine/registry.py) | "module:Class" of your own
+    # emulated (a GPU profile's clock, docs/emulated.md) | a registered name
+    # (ops/engine/registry.py) | "module:Class" of your own
     colocate: bool = False  # vllm engines sleep between rollouts, freeing the trainer's GPU
     gen_dtype: str = "auto"  # generation engine's weights: auto (bf16 on CUDA, float32 on CPU)
     # vllm on CPU: of its NUMA node's RAM, the worker's own memory included; raise it on a GPU
     gpu_memory_utilization: float = 0.15  # share of device memory each vllm engine takes
-    # backend = "emulated" (pipeline/tasks/emulated_backend.py): a GPU profile's task times
+    # backend = "emulated" (pipeline/train/emulation.py): a GPU profile's task times on a
+    # workload trace's prompts and lengths
     emulate_profile: str = "Qwen2.5-3B@L40S"  # a built-in profile (schedulers/profiles.py)
     emulate_time_scale: float = 0.05  # wall seconds per emulated second
+    emulate_workload: str = "gsm8k"  # the trace's lengths (schedulers/sim/workloads.py)
+    emulate_train_gpus: int = 16  # the emulated learner's GPUs
     cluster: str = "local"  # where workers run: local processes, slurm or pbs jobs
     device: str = "auto"  # auto (cuda if present), cpu or cuda
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
@@ -274,7 +284,8 @@ class Config:
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
                     "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens", "max_turns",
-                    "max_turn_tokens", "max_episode_tokens", "agent_concurrency")
+                    "max_turn_tokens", "max_episode_tokens", "agent_concurrency",
+                    "emulate_train_gpus")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
@@ -362,8 +373,7 @@ class Config:
                                                          and self.lora_target_modules):
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
-        if self.backend != "emulated":  # the emulated pools' tasks: pipeline/train/emulated.py
-            one_line(check_engine, self.backend, self.gen_dtype)
+        one_line(check_engine, self.backend, self.gen_dtype)
         if self.lora_rank and self.backend == "vllm":
             try:
                 check_vllm_lora(self.lora_rank, self.lora_target_modules)

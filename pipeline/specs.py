@@ -71,8 +71,7 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
             if cfg.lora_rank else None)
     gen_engine = EngineSpec(str(model_path), cfg.device, cfg.gen_threads, cfg.backend,
                             cfg.colocate, lora, cfg.gen_dtype, cfg.gpu_memory_utilization)
-    if cfg.backend != "emulated":  # the emulated pools run tasks of their own (train/emulated.py)
-        gen_engine = resolved(gen_engine)  # workers build the class the driver named
+    gen_engine = resolved(gen_engine)  # workers build the class the driver named
     update = UpdateParams(lr=cfg.update_lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           micro_batch_tokens=cfg.micro_batch_tokens,
@@ -86,7 +85,8 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
         reward=RewardSpec(run_rewards(cfg), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
-                        update, str(run.weights), world=cfg.train_workers,
+                        update, str(run.weights) if cfg.weight_store == "run" else None,
+                        world=cfg.train_workers,
                         parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
                         gradient_checkpointing=cfg.gradient_checkpointing),
     )

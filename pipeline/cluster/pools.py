@@ -26,6 +26,7 @@ from dataclasses import replace
 from distributed import Client
 from distributed.core import Status
 
+from rlhfless.ops.engine.registry import engine_class
 from rlhfless.schedulers.dask.adaptive import PoolAdaptive
 from rlhfless.schedulers.dask.plugin import ElasticityPlugin, drain_events, pool_of, set_pool_target
 from rlhfless.schedulers.ledger import CostLedger
@@ -37,10 +38,17 @@ from .deploy import Deployment, LocalDeployment, Pool
 # the task modules each pool's workers import as they start, before any task: every module
 # whose tasks they run, so that no task's unpickling imports a framework while a task thread
 # imports it too (a tail's move, unpickled as the engine loaded, found transformers half
-# imported: "cannot import name 'DynamicCache'")
-GEN_TASKS = ("rlhfless.pipeline.tasks.rollout", "rlhfless.pipeline.tasks.tail")
+# imported: "cannot import name 'DynamicCache'"); the tail tasks only where the engine
+# exports its KV cache (``tail.py`` imports torch, which an emulated worker never loads)
+GEN_TASKS = ("rlhfless.pipeline.tasks.rollout",)
+TAIL_TASKS = ("rlhfless.pipeline.tasks.tail",)
 TRAIN_TASKS = ("rlhfless.pipeline.tasks.trainer",)
 ADAPT_INTERVAL_S = 1.0  # Adaptive's periodic check; scale() does not wait for it
+
+
+def gen_tasks(backend: str) -> tuple[str, ...]:
+    """The task modules a generation worker of ``backend``'s engine imports as it starts."""
+    return GEN_TASKS + (TAIL_TASKS if engine_class(backend).exports_kv else ())
 
 
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
@@ -50,7 +58,7 @@ def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
     return [
         Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
              cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives),
-             preload=GEN_TASKS),
+             preload=gen_tasks(cfg.backend)),
         Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
              cfg.train_gpus, tuple(cfg.train_job_directives), preload=TRAIN_TASKS),
     ]
@@ -60,9 +68,11 @@ def fit_overlap(cfg: Config) -> tuple[Config, PoolSplit | None]:
     """An async mode whose pools share this machine's cores (a local cluster on the CPU) runs
     the generation workers and trainer threads that fit them (``schedulers/pool_split.py``),
     unless ``overlap_pools = "as_set"``; every other run is left as configured (batch jobs
-    have cores of their own, a GPU generates on the GPU, emulated workers sleep)."""
-    if (not cfg.mode.startswith("async") or cfg.cluster != "local" or cfg.backend == "emulated"
-            or cfg.overlap_pools != "fit_cores" or not _on_cpu(cfg.device)):
+    have cores of their own, a GPU generates on the GPU, an engine that does not compute,
+    the emulated one, sleeps)."""
+    if (not cfg.mode.startswith("async") or cfg.cluster != "local"
+            or cfg.overlap_pools != "fit_cores" or not _on_cpu(cfg.device)
+            or not engine_class(cfg.backend).computes):
         return cfg, None
     split = split_for_overlap(_cores(), cfg.gen_threads, cfg.gen_workers, cfg.train_threads,
                               cfg.train_workers)

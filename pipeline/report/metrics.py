@@ -49,8 +49,9 @@ def iteration_record(iteration: int, version: int, started: float, plan,
                      trainables: list[Generated], update: dict,
                      stream: list[dict]) -> tuple[dict, pa.Table]:
     """The metrics record of one iteration that trained policy ``version`` on the shards
-    ``trainables`` (their generation statistics summed, prefill savings from the dedup
-    ``plan``, stage seconds from the task ``stream``), and the shards as one table."""
+    ``trainables`` (their generation statistics summed, the dedup ``plan``'s prefill
+    figures beside the engines' own, stage seconds from the task ``stream``), and the shards
+    as one table."""
     whole = Generated.concat(trainables)
     table, gen = whole.table, whole.stats.to_dict()
     record = {
@@ -58,10 +59,21 @@ def iteration_record(iteration: int, version: int, started: float, plan,
         "iteration_s": time.time() - started, "samples": len(table),
         "prefill_tokens_naive": plan.naive_prefill_tokens,
         "prefill_tokens_planned": plan.planned_prefill_tokens,
-        "prefill_tokens_saved": plan.naive_prefill_tokens - gen.get("prefill_tokens", 0),
-        **gen, **rollout_metrics(table), **update, **stage_seconds(stream),
+        **prefill_figures(gen), **gen, **rollout_metrics(table), **update,
+        **stage_seconds(stream),
     }
     return record, table
+
+
+def prefill_figures(gen: dict) -> dict:
+    """What prefill cost, as the engines counted it: ``prefill_tokens_saved`` the prompt
+    tokens whose KV was there already (prefixes shared, conversations kept across turns and
+    agent requests), ``prefill_tokens_per_request`` the tokens each sequence's prompt
+    (a sample's, a turn's, an agent request's) ran through the model."""
+    requests = gen.get("prefill_requests", 0)
+    return {"prefill_tokens_saved": gen.get("prefill_reused_tokens", 0),
+            "prefill_tokens_per_request": gen.get("prefill_tokens", 0) / requests
+            if requests else 0.0}
 
 
 def stage_seconds(task_stream: list[dict]) -> dict:

@@ -64,7 +64,7 @@ from rlhfless.schedulers.sim.simulator import ClusterConfig, SimResult, simulate
 from rlhfless.schedulers.sim.workloads import (
     GSM8K,
     LONG_COT,
-    REASONING,
+    WORKLOADS,
     Trace,
     WorkloadConfig,
     synthetic_trace,
@@ -79,7 +79,6 @@ PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
 }
 SWEEPS = {"tau": (0.5, 0.6, 0.7, 0.8, 0.9), "lambda_cost": (0.0, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0),
           "ewma_alpha": (0.25, 0.5, 0.75, 1.0)}
-PRESETS = {"gsm8k": GSM8K, "reasoning": REASONING, "long-cot": LONG_COT}
 # which published verl step the generation/update split of a scenario is held against
 # (verl_step_timings research notes; gen share = generation / step, testing excluded)
 CALIBRATION = {"gsm8k": "verl GSM8K GRPO logs, 1024x5, max response 1024: generation 25 % "
@@ -205,10 +204,10 @@ def load_scenario(path: str | Path) -> Scenario:
                                             f"{path} [profile_overrides]"))
         wl = dict(raw.get("workload", {}))
         preset = wl.pop("preset", "gsm8k")
-        if preset not in PRESETS:
+        if preset not in WORKLOADS:
             raise ScenarioError(f"{path} [workload]: preset = {preset!r}; allowed: "
-                                f"{sorted(PRESETS)}")
-        workload = dataclasses.replace(PRESETS[preset], **_fields(
+                                f"{sorted(WORKLOADS)}")
+        workload = dataclasses.replace(WORKLOADS[preset], **_fields(
             WorkloadConfig, wl, f"{path} [workload]"))
         knobs = {}
         if "config" in raw:  # the run's own knobs, read as `rlhfless train` reads them

@@ -32,6 +32,7 @@ from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 from rlhfless.ops.rollouts.episode import EpisodeParams, run_episodes
 
 from .engines import engine_ram_bytes, worker_name
+from .weight_store import local_weights
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def generation_engine(spec: EngineSpec,
         cold = engine.load_seconds
     engine.wake()
     if engine.version != weights.version:
-        engine.set_weights(weights)
+        engine.set_weights(local_weights(weights))
     return engine, cold
 
 
@@ -96,9 +97,10 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
 
 
 def _generated(table: pa.Table, stats: GenerationStats, cold: float) -> Generated:
-    """``table`` beside ``stats``, with the cold start paid and the generation seconds."""
+    """``table`` beside ``stats``, with the cold start paid and the generation seconds (the
+    engine's own where it reports them: an emulated one's include its weight load)."""
     stats.cold_start_s = cold
-    stats.gen_seconds = stats.prefill_seconds + stats.decode_seconds
+    stats.gen_seconds = stats.gen_seconds or stats.prefill_seconds + stats.decode_seconds
     return Generated(table, stats)
 
 

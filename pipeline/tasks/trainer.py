@@ -13,6 +13,7 @@ import copy
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,25 +27,27 @@ from rlhfless.ops.engine.backend import load_causal_lm
 from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef, require_version
 from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.ops.engine.lora import lora_config, trainable_names
-from rlhfless.ops.engine.publish import publish_state, publish_weights
+from rlhfless.ops.engine.lora import lora_config, trainable_names, trainable_state
 
 from ..durable.checkpoint import read_trainer, write_trainer
+from .emulated import EmulatedTrainer
 from .engines import worker_name
 from .ranks import leave_group, on_ranks, this_rank
+from .weight_store import publish_version
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     engine: EngineSpec
     update: UpdateParams
-    store: str  # directory of published weights
+    store: str | None  # directory of published weights; None: the trainer holds them
     keep_versions: int = 2
     max_staleness: int = 0  # oldest sample the update accepts, in versions behind the trainer
     world: int = 1  # trainer ranks (train_workers); > 1: one process group over the pool
     parallel: str = "fsdp"  # world > 1: "fsdp" (FSDP2 shards) | "ddp" (replicas)
     bf16: bool = False  # mixed precision: bf16 autocast in the update, fp32 weights and Adam
     gradient_checkpointing: bool = False  # recompute each layer in the backward pass
+    emulate: Any = None  # ``emulated.EmulatedLearner``: the profile's learner, no tensors
 
 
 @dataclass
@@ -66,8 +69,56 @@ class Trainer:
     cold_start_s: float  # the load's seconds, reported by the first update (then 0)
     token: str | None = None  # the driver's name for this trainer's life; None until started
 
+    @property
+    def version(self) -> int:
+        return self.loaded.version
 
-_TRAINER: dict[str, Trainer] = {}  # model path -> this process's trainer
+    def update(self, trainables: list[Generated], spec: TrainSpec) -> dict:
+        """One policy update on the concatenated shards (this rank's part, with ranks)."""
+        loaded = self.loaded
+        batch = pa.concat_tables([t.table for t in trainables])
+        started = time.perf_counter()
+        device = next(loaded.model.parameters()).device
+        for group in self.optimizer.param_groups:  # the spec's: a rollback lowers it (guard.py)
+            group["lr"] = spec.update.lr
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
+            metrics = update_policy(self.model, self.optimizer, batch, spec.update,
+                                    loaded.tokenizer.pad_token_id, ref_model=self.ref,
+                                    ranks=_ranks(spec))
+        metrics["update_seconds"] = time.perf_counter() - started
+        metrics["lr"] = spec.update.lr
+        metrics["trainer_cold_start_s"], self.cold_start_s = self.cold_start_s, 0.0
+        return metrics
+
+    def publish(self, spec: TrainSpec, version: int) -> WeightsRef | None:
+        """The weights published as ``version``; with ranks, every rank takes part in
+        gathering them and rank 0 writes them (the others return None)."""
+        loaded = self.loaded
+        ranks = _ranks(spec)
+        model = loaded.model
+        if ranks is None:
+            whole = trainable_state(model, model.state_dict())
+        else:
+            whole = full_state(self.model, keep=ranks.rank == 0, names=trainable_names(model))
+        ref = (publish_version(whole, spec.store, version, spec.keep_versions,
+                               lora_config(model)) if ranks is None or ranks.rank == 0 else None)
+        loaded.version = version
+        return ref
+
+    def save(self, path: str, spec: TrainSpec) -> dict:
+        """Weights, optimizer and RNG under ``path`` (this rank's shard, with ranks)."""
+        started = time.perf_counter()
+        n = write_trainer(path, self.model, self.optimizer, _ranks(spec))
+        return {"version": self.version, "bytes": n, "finite": _finite(self.model),
+                "seconds": time.perf_counter() - started}
+
+    def restore(self, path: str, spec: TrainSpec) -> int:
+        """Back to the checkpoint at ``path`` (the frozen reference stays the initial model)."""
+        self.loaded.version = read_trainer(path, self.model, self.optimizer, _ranks(spec))
+        return self.loaded.version
+
+
+_TRAINER: dict[str, Trainer | EmulatedTrainer] = {}  # model path -> this process's trainer
 
 
 def load_model(spec: EngineSpec) -> LoadedModel:
@@ -81,9 +132,12 @@ def _ranks(spec: TrainSpec) -> Ranks | None:
     return this_rank() if spec.world > 1 else None
 
 
-def _trainer(spec: TrainSpec) -> Trainer:
-    """This process's trainer for ``spec``'s model, loaded on first use."""
+def _trainer(spec: TrainSpec) -> Trainer | EmulatedTrainer:
+    """This process's trainer for ``spec``'s model, loaded on first use (the profile's
+    learner where ``spec.emulate`` says)."""
     state = _TRAINER.get(spec.engine.model_path)
+    if state is None and spec.emulate is not None:
+        state = _TRAINER[spec.engine.model_path] = EmulatedTrainer(spec.emulate)
     if state is None:
         loaded = load_model(spec.engine)
         params = spec.update
@@ -124,22 +178,10 @@ def update_task(trainables: list[Generated], weights: WeightsRef, spec: TrainSpe
 
 def _update_rank(trainables: list[Generated], weights: WeightsRef, spec: TrainSpec) -> dict:
     state = _trainer(spec)
-    loaded = state.loaded
-    require_version(loaded.version, weights.version, "trainer")
-    batch = pa.concat_tables([t.table for t in trainables])
-    check_staleness(batch, loaded.version, spec.max_staleness, "trainer")
-    started = time.perf_counter()
-    device = next(loaded.model.parameters()).device
-    for group in state.optimizer.param_groups:  # the spec's: a rollback lowers it (guard.py)
-        group["lr"] = spec.update.lr
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16):
-        metrics = update_policy(state.model, state.optimizer, batch, spec.update,
-                                loaded.tokenizer.pad_token_id, ref_model=state.ref,
-                                ranks=_ranks(spec))
-    metrics["update_seconds"] = time.perf_counter() - started
-    metrics["lr"] = spec.update.lr
-    metrics["trainer_cold_start_s"], state.cold_start_s = state.cold_start_s, 0.0
-    return metrics
+    require_version(state.version, weights.version, "trainer")
+    check_staleness(pa.concat_tables([t.table for t in trainables]), state.version,
+                    spec.max_staleness, "trainer")
+    return state.update(trainables, spec)
 
 
 def publish_task(metrics: dict, spec: TrainSpec, version: int) -> WeightsRef:
@@ -149,18 +191,7 @@ def publish_task(metrics: dict, spec: TrainSpec, version: int) -> WeightsRef:
 
 
 def _publish_rank(spec: TrainSpec, version: int) -> WeightsRef | None:
-    state = _trainer(spec)
-    loaded = state.loaded
-    ranks = _ranks(spec)
-    if ranks is None:
-        ref = publish_weights(loaded.model, spec.store, version, keep=spec.keep_versions)
-    else:
-        whole = full_state(state.model, keep=ranks.rank == 0,
-                           names=trainable_names(loaded.model))
-        ref = (publish_state(whole, spec.store, version, keep=spec.keep_versions,
-                             lora=lora_config(loaded.model)) if ranks.rank == 0 else None)
-    loaded.version = version
-    return ref
+    return _trainer(spec).publish(spec, version)
 
 
 # ---- checkpoints: the trainer writes and reads its own state (see checkpoint.py) ---------
@@ -178,7 +209,7 @@ def start_trainer_task(spec: TrainSpec, seed: int, token: str) -> int:
     state = _trainer(spec)
     _seed_process(seed)
     state.token = token
-    return state.loaded.version
+    return state.version
 
 
 def trainer_token_task(spec: TrainSpec) -> str | None:
@@ -194,10 +225,7 @@ def save_trainer_task(spec: TrainSpec, path: str, token: str) -> dict:
     if state is None or state.token != token:
         raise RuntimeError(f"trainer on {worker_name()} is not the trainer {token} of this "
                            "run (it restarted); its state cannot be checkpointed")
-    started = time.perf_counter()
-    n = write_trainer(path, state.model, state.optimizer, _ranks(spec))
-    return {"version": state.loaded.version, "bytes": n, "finite": _finite(state.model),
-            "seconds": time.perf_counter() - started}
+    return state.save(path, spec)
 
 
 def _finite(model: torch.nn.Module) -> bool:
@@ -211,7 +239,6 @@ def restore_trainer_task(spec: TrainSpec, path: str, token: str) -> int:
     if needed; the frozen reference stays the initial model) and tag it with ``token``;
     returns the restored policy version."""
     state = _trainer(spec)
-    loaded = state.loaded
-    loaded.version = read_trainer(path, state.model, state.optimizer, _ranks(spec))
+    version = state.restore(path, spec)
     state.token = token
-    return loaded.version
+    return version

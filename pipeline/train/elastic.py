@@ -69,6 +69,7 @@ from ..cluster.pools import PoolCluster
 from ..config import Config
 from ..durable.runs import RunDir
 from ..task_keys import stage_of, task_key
+from ..tasks.rollout import continue_task, drop_task, generate_chunk_task, resume_task
 from ..tasks.scoring import advantage_task, reward_task
 from ..tasks.tail import (
     TailLost,
@@ -79,18 +80,6 @@ from ..tasks.tail import (
     take_tail_task,
 )
 from .generation import Generating, Generation
-
-
-def generation_tasks(backend: str):
-    """The module of the chunked-generation tasks (``generate_chunk_task``, ``resume_task``,
-    ``drop_task``, ``continue_task``) of ``backend``: the engine's, or the emulated ones."""
-    if backend == "emulated":
-        from rlhfless.pipeline.tasks import emulated_backend
-
-        return emulated_backend
-    from ..tasks import rollout as rollout_tasks
-
-    return rollout_tasks
 
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:
@@ -128,9 +117,8 @@ class ElasticGeneration(Generation):
         (default: the trainer's workers)."""
         super().__init__(pc, cfg, run, scaling)
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
-        self.tasks = generation_tasks(cfg.backend)
         # an engine that cannot export its KV (vllm, the emulated one) moves by recompute
-        self.kv_moves = cfg.backend != "emulated" and engine_class(cfg.backend).exports_kv
+        self.kv_moves = engine_class(cfg.backend).exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
 
     # ---- decisions ---------------------------------------------------------------------
@@ -196,7 +184,7 @@ class ElasticGeneration(Generation):
             key = task_key("generate", iteration, i)
             work = self.scaling.predict_work(shard.column("prompt_id").to_pylist(), [
                 len(p) for p in shard.column("prompt_ids").to_pylist()], self.cfg.n_samples)
-            self._submit(i, worker, self.load_of(shard), self.tasks.generate_chunk_task, shard,
+            self._submit(i, worker, self.load_of(shard), generate_chunk_task, shard,
                          weights, specs.gen, seed, self.scaling.knobs.tau, key, key=key,
                          work=work)
             pieces[i] = []
@@ -286,7 +274,7 @@ class ElasticGeneration(Generation):
         moves = [m for m in self.scaling.migrate(self.load, kv_transfer=self.kv_moves)
                  if m.source == worker]
         if not moves:
-            self._submit(shard, worker, self.load_of(cut, cut), self.tasks.resume_task, key,
+            self._submit(shard, worker, self.load_of(cut, cut), resume_task, key,
                          weights, specs.gen, key=task_key("resume", iteration, shard))
             return 0
         row_of = {seq: r for r, seq in enumerate(ids)}  # a cut row is its tail's position
@@ -310,7 +298,7 @@ class ElasticGeneration(Generation):
                                  key=task_key("export", iteration, shard))
             self.exports.setdefault(worker, []).append(sent)
         else:
-            client.submit(self.tasks.drop_task, key, workers=[source], pure=False).result()
+            client.submit(drop_task, key, workers=[source], pure=False).result()
         for j, (move, rows, part, context, choice, why) in enumerate(plans):
             landing = self._move(TailMove(iteration, shard, j, worker, move.target, rows, part,
                                           len(ids), weights, specs, seed), choice.path, sent)
@@ -334,7 +322,7 @@ class ElasticGeneration(Generation):
         gen = move.specs.gen
         continued = move.key("continue", tag)
         if not self.kv_moves:  # the continuation recomputes the prefix itself
-            self._submit(move.shard, move.target, load, self.tasks.continue_task, move.part,
+            self._submit(move.shard, move.target, load, continue_task, move.part,
                          move.weights, gen, move.seed, key=continued)
             return continued
         client, at = self.pc.client, [self.pc.address_of(move.target)]

@@ -21,16 +21,15 @@ tokens).
 
 ``update_graph`` is the one update-then-publish step of every iteration, whatever produced
 its trainable shards (this graph's delayed tasks, or futures of the elastic controller), and
-``submit_update`` submits it: the runner of every mode (``modes.py``) and the emulated
-runtime go through it. ``iteration_graph`` joins the two halves into the whole iteration
-that ``rlhfless graph`` renders.
+``submit_update`` submits it: the runner of every mode (``modes.py``) goes through it.
+``iteration_graph`` joins the two halves into the whole iteration that ``rlhfless graph``
+renders.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from types import ModuleType
 
 import dask
 import pyarrow as pa
@@ -45,10 +44,9 @@ from rlhfless.schedulers.dask.plugin import generation_work
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
 
 from ..task_keys import task_key
-from ..tasks import trainer as trainer_tasks
 from ..tasks.rollout import GenSpec, generate_task
 from ..tasks.scoring import RewardSpec, advantage_task, reward_task
-from ..tasks.trainer import TrainSpec
+from ..tasks.trainer import TrainSpec, publish_task, update_task
 
 
 @dataclass(frozen=True)
@@ -125,26 +123,24 @@ def trainable_graph(prompts, weights: WeightsRef, iteration: int, n_shards: int,
     return plan, shards, trainables
 
 
-def update_graph(trainables: list, weights: WeightsRef, train, iteration: int,
-                 tasks: ModuleType = trainer_tasks) -> tuple[Delayed, Delayed]:
+def update_graph(trainables: list, weights: WeightsRef, train: TrainSpec,
+                 iteration: int) -> tuple[Delayed, Delayed]:
     """update → publish on the trainer (``TRAIN``): the update of ``iteration`` on
     ``trainables`` (delayed tasks or futures, one ``Generated`` each) from ``weights``, then
-    the publication of version ``weights.version + 1``. Returns (metrics, new weights).
-    ``tasks``: the module of ``update_task(trainables, weights, train)`` and
-    ``publish_task(metrics, train, version)``: the trainer's, or the emulated ones."""
+    the publication of version ``weights.version + 1``. Returns (metrics, new weights)."""
     with dask.annotate(resources={"TRAIN": 1}):
-        metrics = delayed(tasks.update_task)(trainables, weights, train,
-                                             dask_key_name=task_key("update", iteration))
-        published = delayed(tasks.publish_task)(metrics, train, weights.version + 1,
-                                                dask_key_name=task_key("publish", iteration))
+        metrics = delayed(update_task)(trainables, weights, train,
+                                       dask_key_name=task_key("update", iteration))
+        published = delayed(publish_task)(metrics, train, weights.version + 1,
+                                          dask_key_name=task_key("publish", iteration))
     return metrics, published
 
 
-def submit_update(client: Client, trainables: list, weights: WeightsRef, train, iteration: int,
-                  tasks: ModuleType = trainer_tasks) -> tuple[Future, Future]:
+def submit_update(client: Client, trainables: list, weights: WeightsRef, train: TrainSpec,
+                  iteration: int) -> tuple[Future, Future]:
     """``update_graph`` submitted: futures of (metrics, new weights)."""
     metrics, published = client.compute(
-        list(update_graph(trainables, weights, train, iteration, tasks)), optimize_graph=False)
+        list(update_graph(trainables, weights, train, iteration)), optimize_graph=False)
     return metrics, published
 
 

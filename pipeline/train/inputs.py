@@ -97,9 +97,6 @@ def _digest(table: pa.Table) -> str:
 def check_inputs(cfg: Config, given: frozenset[str] = frozenset()) -> None:
     """Raise ``ConfigError`` for the first path or reward of ``cfg`` that cannot work; the
     keys in ``given`` name files ``write_given_prompts`` has yet to write."""
-    if cfg.backend == "emulated":
-        raise ConfigError("backend = 'emulated' runs a workload trace, not a dataset: use "
-                          "rlhfless.pipeline.train.emulated.run_emulated (bench/emulated.py)")
     for key in ("dataset", "heldout"):
         value = getattr(cfg, key)
         if not value or key in given or key == "dataset" and dataset_task(value):

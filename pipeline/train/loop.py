@@ -30,29 +30,23 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from rlhfless.ops.engine.engine_types import WeightsRef
-from rlhfless.schedulers.ledger import CostLedger
-from rlhfless.schedulers.scaling_policy import ScalingPolicy
-
-from ..cluster.deploy import deployment_from_config
 from ..cluster.pools import PoolCluster, fit_overlap, pools_from_config
 from ..cluster.supervise import drain_stalls, supervise
 from ..config import Config
 from ..durable import checkpoint as ckpt
 from ..durable.recovery import Durable, open_run
 from ..durable.runs import RunDir, umask
-from ..durable.sampler import PromptSampler
 from ..report.bookkeeping import account, bill_env_wait, say_reward_errors, write_ledger
 from ..report.observe import observed
 from ..report.trace import RunTrace, TaskStream
 from ..report.trackers import tracked
-from ..specs import load_prompt_sets, make_specs, resolve_model
+from .build import build_run
 from .elastic import ElasticGeneration
 from .evaluation import evaluate
 from .generation import GraphGeneration
 from .guard import CollapseGuard, collapse_record, respond
-from .inputs import check_context, check_inputs, check_routes, given_prompts, write_given_prompts
-from .modes import ModeRunner, mode_specs
+from .inputs import check_inputs, given_prompts, write_given_prompts
+from .modes import ModeRunner
 from .render import render_graph
 
 
@@ -113,28 +107,19 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
         log(f"{cfg.mode}: updates at learning rate {cfg.update_lr:.3g} (lr {cfg.lr:.3g} x "
             f"off_policy_lr_factor {cfg.off_policy_lr_factor:g}); off_policy_lr_factor = 1 "
             "keeps lr")
-    model_path = resolve_model(cfg, log=log)
-    prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
-    check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})
-    check_routes(cfg, {"dataset": prompts, "heldout": heldout})
-    run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
-                        **counts})
-    specs = mode_specs(make_specs(cfg, model_path, run), cfg)
-    sampler = PromptSampler(prompts, cfg.batch_prompts, cfg.seed)
-    weights = WeightsRef(0, str(model_path))
-    ledger = CostLedger(cfg.prices)
-    scaling = ScalingPolicy(cfg.scaling_knobs())
+    parts = build_run(cfg, run, log)
+    specs, sampler, ledger, scaling = parts.specs, parts.sampler, parts.ledger, parts.scaling
+    heldout, weights = parts.heldout, parts.weights
     pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
-    deployment = deployment_from_config(cfg, run.path)
-    with (PoolCluster(pools, ledger, deployment=deployment) as pc,
+    with (PoolCluster(pools, ledger, deployment=parts.deployment) as pc,
           observed(run, pc.dashboard_link, on_metrics)):
         if pc.dashboard_link:
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
         supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
         stream, trace = TaskStream(pc.client), RunTrace(run.path / "trace.json", resume=resume)
-        generation = (ElasticGeneration if cfg.policy == "elastic" else GraphGeneration)(
-            pc, cfg, run, scaling)
-        durable = Durable(pc, run, cfg, specs.train, model_path, prompts, log=log)
+        generation = (ElasticGeneration(pc, cfg, run, scaling, parts.rest_workers)
+                      if cfg.policy == "elastic" else GraphGeneration(pc, cfg, run, scaling))
+        durable = Durable(pc, run, cfg, specs.train, parts.model_path, parts.prompts, log=log)
         done, weights = durable.start(sampler, scaling, weights, ledger, resume=resume)
         accuracy = evaluate(pc, heldout, weights, specs, cfg, scaling)
         run.append_metrics({"event": "eval", "iteration": done, **accuracy})

@@ -146,6 +146,7 @@ LONG_COT = WorkloadConfig(name="long-cot", dataset_prompts=1024, batch_prompts=1
                           iterations=24, response_p50=2800.0, response_p99=12000.0,
                           max_response_tokens=8192, prompt_p50=120.0, prompt_p99=400.0,
                           long_prompt_frac=0.02, long_prompt_factor=1.5, clip_ratio=0.01)
+WORKLOADS = {"gsm8k": GSM8K, "reasoning": REASONING, "long-cot": LONG_COT}  # by name
 
 
 def _sigmas(cfg: WorkloadConfig) -> tuple[float, float]:

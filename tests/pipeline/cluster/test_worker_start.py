@@ -14,6 +14,7 @@ from distributed.nanny import WorkerProcess
 from rlhfless.pipeline.cluster.deploy import LocalDeployment
 from rlhfless.pipeline.cluster.pools import (
     GEN_TASKS,
+    TAIL_TASKS,
     TRAIN_TASKS,
     Pool,
     PoolCluster,
@@ -25,9 +26,17 @@ from rlhfless.schedulers.ledger import CostLedger
 
 def test_each_pool_preloads_its_task_module():
     gen, train = pools_from_config(Config())
-    assert gen.preload == GEN_TASKS and train.preload == TRAIN_TASKS
-    assert "rlhfless.pipeline.tasks.tail" in GEN_TASKS  # a gen worker runs the tail moves
-    assert LocalDeployment().worker_spec(gen, "gen-0")["options"]["preload"] == list(GEN_TASKS)
+    assert gen.preload == (*GEN_TASKS, *TAIL_TASKS) and train.preload == TRAIN_TASKS
+    assert "rlhfless.pipeline.tasks.tail" in gen.preload  # our engine's workers move tails
+    assert LocalDeployment().worker_spec(gen, "gen-0")["options"]["preload"] == list(
+        gen.preload)
+
+
+def test_workers_of_an_engine_that_exports_no_kv_do_not_import_the_tail_tasks():
+    """The tail tasks import torch; an emulated worker, which never moves a KV cache, stays
+    free of it (64 of them fit a small machine)."""
+    gen, _ = pools_from_config(Config(backend="emulated"))
+    assert gen.preload == GEN_TASKS
 
 
 def _preloaded(dask_worker) -> bool:

@@ -1,0 +1,326 @@
+"""The emulated engine and trainer: the time a GPU profile says, no tensor work.
+
+``backend = "emulated"`` runs the same ``train(cfg)`` as every engine, with this module's
+``EmulatedEngine`` as the generation engine (it implements the engine protocol,
+``ops/engine/protocol.py``) and ``EmulatedTrainer`` as the trainer's state
+(``trainer.py`` builds it when ``TrainSpec.emulate`` is set): both sleep for what the
+simulator's GPU profile (``schedulers/profiles.py``) says their work would take, so that a
+pool of many generation workers fits on one small machine (this module imports neither torch
+nor transformers: a worker that runs only these stays small). Everything around them is the
+real runtime: Dask scheduler and worker processes, the elasticity plugin, scaling,
+assignment, tail handling, the ledger, Arrow tables between stages, checkpoints, evaluation.
+Which prompts, lengths, profile and learner: ``pipeline/train/emulation.py``.
+
+What is emulated, and from where:
+
+- response lengths: each prompt row carries ``emulated_lengths`` (its group's lengths, from a
+  workload trace, ``schedulers/sim/workloads.py``); a response is that many tokens;
+- a shard's decode: continuous batching under the profile's step model, by the simulator's
+  own engine (``sim_engine.simulate_run``: decode step time by batch and context, prefill
+  charged in the step that admits a sequence, the engine's batch cap); each group's prompt is
+  prefilled once (prefix sharing);
+- ``generate_until`` stops at the step boundary where ``until_finished`` of the sequences are
+  done (the stop rule's pause and deadline are not emulated); ``resume`` runs the rest of the
+  same schedule, ``continue_rows`` reschedules cut sequences on another worker, recomputing
+  prompt + generated tokens as prefill (no KV leaves: ``exports_kv`` is false);
+- weight load: ``profile.sync_s`` when a task needs a newer version than the engine holds,
+  at the start of its schedule;
+- cold start: ``profile.gen_cold_start_s`` from the worker process's start, slept in a Dask
+  preload (``dask_setup``) before the worker registers, so the scheduler, the ledger and the
+  policy see it as the worker's start-up;
+- the update: the profile's forward-only passes plus ``update_seconds`` over prompt +
+  response tokens on ``train_gpus`` learner GPUs.
+
+An emulated second lasts ``time_scale`` wall seconds; every duration reported is in emulated
+seconds. A task sleeps until its start plus its emulated duration times the scale, so its own
+bookkeeping (building tables) is inside that duration when it is shorter; ``late_wall_s``
+says by how much it ran past. Responses are ``length`` zero tokens with zero
+log-probabilities; ``response_text`` is the length's parity (``"0"`` or ``"1"``), so a prompt
+whose ``answer`` is ``"0"`` scores 1 with the ``exact`` verifier for an even length: a
+deterministic reward from the trace.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
+import zarr
+
+from rlhfless.ops.data.schema import ROLLOUTS
+from rlhfless.ops.engine.engine_types import Chunk, SamplingParams, StopRule, WeightsRef
+from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
+from rlhfless.ops.engine.protocol import GenerationBackend
+from rlhfless.schedulers.profiles import Profile, get_profile
+from rlhfless.schedulers.sim.engine import WorkerRun, simulate_run
+
+LENGTHS = "emulated_lengths"  # prompt column: the trace's response lengths of its group
+LENGTH = "emulated_length"  # the same, per (prompt, sample) row of a cut tail
+COLD_START_ENV = "RLHFLESS_EMULATED_COLD_START_WALL_S"  # read by ``dask_setup``
+WEIGHTS_PATH = "emulated"  # where an emulated version "lives": nowhere
+
+
+def dask_setup(worker) -> None:
+    """Dask preload: the cold start, counted from this worker process's start, slept before
+    the worker registers with the scheduler."""
+    cold = float(os.environ.get(COLD_START_ENV, "0"))
+    age = time.time() - psutil.Process().create_time()
+    time.sleep(max(0.0, cold - age))
+
+
+def _sleep_until(started: float, emulated_s: float, scale: float) -> float:
+    """Sleep until ``emulated_s`` after ``started``; returns the wall seconds the task ran
+    past that (its own work took longer, or the process got no CPU in time)."""
+    time.sleep(max(0.0, started + emulated_s * scale - time.time()))
+    return time.time() - (started + emulated_s * scale)
+
+
+def _lengths(column) -> np.ndarray:
+    """Lengths of a list column's rows (no Python lists built)."""
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _tokens(counts: np.ndarray, values: pa.DataType) -> pa.ListArray:
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
+        np.zeros(int(offsets[-1])), values))
+
+
+def expand(prompts: pa.Table, n_samples: int) -> tuple[pa.Table, np.ndarray]:
+    """One row per (prompt, sample), prompt-major, with its response length (``LENGTH``):
+    the first ``n_samples`` of its group's trace lengths."""
+    rows = prompts.take(np.repeat(np.arange(len(prompts)), n_samples)).drop_columns([LENGTHS])
+    rows = rows.append_column("sample_idx", pa.array(
+        np.tile(np.arange(n_samples, dtype=np.int32), len(prompts))))
+    group = prompts.column(LENGTHS).to_pylist()
+    if any(len(g) < n_samples for g in group):
+        raise ValueError(f"emulated engine: a prompt's {LENGTHS} holds fewer than "
+                         f"{n_samples} lengths")
+    lengths = np.array([g[:n_samples] for g in group], dtype=np.int64).reshape(-1)
+    return rows.append_column(LENGTH, pa.array(lengths)), lengths
+
+
+@dataclass
+class Paused:
+    """A chunk's unfinished sequences, as ``generate_until`` left them: the schedule, the
+    rows, where it was cut and when the chunk started (``Chunk.paused``)."""
+
+    run: WorkerRun
+    rows: pa.Table
+    t_cut: float
+    started: float
+
+
+class EmulatedEngine(GenerationBackend):
+    """An engine that sleeps on the profile's clock; see the module docstring."""
+
+    computes = False
+
+    def __init__(self, model_path: str, profile: str = "Qwen2.5-3B@L40S",
+                 time_scale: float = 0.05, cap: int = 0) -> None:
+        self.model_path = model_path
+        self.profile: Profile = get_profile(profile)
+        self.time_scale = time_scale
+        self.cap = cap  # live sequences per worker; 0: the profile's at the shard's context
+        self.pending_sync_s = 0.0  # a new version's load, charged to the next schedule
+
+    def load(self) -> None:
+        """Nothing to load: the cold start is slept before the worker registers."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def set_weights(self, ref: WeightsRef) -> None:
+        self.version = ref.version
+        self.pending_sync_s = self.profile.sync_s
+
+    def reset_prefix_cache(self) -> None:
+        """No cache is kept."""
+
+    def sleep(self) -> None:
+        """Never colocated."""
+
+    def wake(self) -> None:
+        """Never asleep."""
+
+    @property
+    def tokenizer(self):
+        return None
+
+    @property
+    def max_context(self) -> int | None:
+        return None
+
+    def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
+        ctx = batch * (prompt_tokens + np.arange(steps) + 1)
+        return float(np.mean(self.profile.step_seconds(np.full(steps, batch), ctx)))
+
+    def decode_turns(self, turns, params, stats, *, keep_cache=True, on_leave=None) -> None:
+        raise NotImplementedError("the emulated engine generates single-turn rollouts only")
+
+    # ---- generation --------------------------------------------------------------------
+
+    def _t0(self) -> float:
+        """Emulated seconds before the first step: a new version's load, once."""
+        t0, self.pending_sync_s = self.pending_sync_s, 0.0
+        return t0
+
+    def _cap(self, prompt: np.ndarray, lengths: np.ndarray) -> int:
+        if self.cap:
+            return self.cap
+        return self.profile.batch_cap(float(prompt.mean() + lengths.mean()) if prompt.size
+                                      else 1.0)
+
+    def _schedule(self, prompts: pa.Table, n_samples: int) -> tuple[pa.Table, np.ndarray,
+                                                                    WorkerRun]:
+        rows, lengths = expand(prompts, n_samples)
+        prompt = _lengths(rows.column("prompt_ids"))
+        prefill = np.zeros(len(rows))
+        prefill[::n_samples] = prompt[::n_samples]  # each group's prompt once
+        run = simulate_run(self._t0(), np.arange(len(rows)), lengths, prompt, prefill,
+                           self.profile, self._cap(prompt, lengths))
+        return rows, lengths, run
+
+    def _rollouts(self, rows: pa.Table, lengths: np.ndarray, params: SamplingParams,
+                  worker: str, start: float, end: float) -> pa.Table:
+        """``rows`` (prompt columns + ``sample_idx``) completed to ``ROLLOUTS``."""
+        n = len(rows)
+        columns = {name: rows.column(name) for name in ROLLOUTS.names[:5]}
+        columns |= {
+            "response_ids": _tokens(lengths, pa.int32()),
+            "response_text": pa.array([str(x % 2) for x in lengths.tolist()], pa.string()),
+            "logprobs": _tokens(lengths, pa.float32()),
+            "finish_reason": pa.array(np.where(lengths >= params.max_new_tokens, "length",
+                                               "stop")),
+            "policy_version": pa.array(np.full(n, self.version), pa.int64()),
+            "worker": pa.array([worker] * n, pa.string()),
+            "gen_start": pa.array(np.full(n, start)), "gen_end": pa.array(np.full(n, end)),
+        }
+        return pa.Table.from_pydict(columns, schema=ROLLOUTS)
+
+    def _stats(self, run: WorkerRun, emulated_s: float, late_wall_s: float) -> GenerationStats:
+        """The figures a real engine reports, of ``run`` (emulated seconds)."""
+        prefill = int(run.prefill.sum())
+        return GenerationStats(
+            prefill_tokens=prefill, prefill_seconds=prefill / self.profile.prefill_tokens_per_s,
+            decode_tokens=int(run.batch.sum()), decode_steps=int(run.n_steps),
+            decode_seconds=float(run.decode_s.sum()), gen_seconds=emulated_s,
+            late_wall_s=late_wall_s)
+
+    def generate(self, prompts: pa.Table, n_samples: int, params: SamplingParams, *,
+                 worker: str = "local",
+                 share_prefixes: bool = True) -> tuple[pa.Table, GenerationStats]:
+        started = time.time()
+        rows, lengths, run = self._schedule(prompts, n_samples)
+        table = self._rollouts(rows, lengths, params, worker, started,
+                               started + run.t_finish * self.time_scale)
+        late = _sleep_until(started, run.t_finish, self.time_scale)
+        return table, self._stats(run, run.t_finish, late)
+
+    def generate_until(self, prompts: pa.Table, n_samples: int, params: SamplingParams,
+                       stop: StopRule, *, worker: str = "local",
+                       share_prefixes: bool = True) -> Chunk:
+        started = time.time()
+        rows, lengths, run = self._schedule(prompts, n_samples)
+        finish = np.sort(run.finish_times())
+        k = max(1, math.ceil(stop.until_finished * finish.size))
+        t_cut = float(finish[k - 1]) if finish.size else 0.0
+        done, generated, _ = run.state_at(t_cut)
+        paused = np.flatnonzero(~done)
+        table = self._rollouts(rows.filter(pa.array(done)), lengths[done], params, worker,
+                               started, started + t_cut * self.time_scale)
+        cut = rows.take(paused)
+        cut = cut.append_column("partial_ids", _tokens(generated[paused], pa.int32()))
+        cut = cut.append_column("partial_logprobs", _tokens(generated[paused], pa.float32()))
+        handle = Paused(run, rows.take(paused), t_cut, started) if paused.size else None
+        late = _sleep_until(started, t_cut, self.time_scale)
+        return Chunk(table, cut, self._stats(run.cut(t_cut), t_cut, late), handle)
+
+    def resume(self, paused: Paused, params: SamplingParams, *,
+               worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        run, t_cut = paused.run, paused.t_cut
+        started = time.time()
+        emulated_s = run.t_finish - t_cut
+        tail = ~run.state_at(t_cut)[0]
+        step = run.steps_done(t_cut)
+        rest = WorkerRun(t_cut, run.seq[tail], run.start[tail], run.end[tail], run.done[tail],
+                         run.ctx0[tail], np.zeros(int(tail.sum())), run.t_step[step:],
+                         run.batch[step:], run.decode_s[step:], run.gpus)
+        lengths = run.end[tail] - run.start[tail]
+        table = self._rollouts(paused.rows, lengths, params, worker, paused.started,
+                               started + emulated_s * self.time_scale)
+        late = _sleep_until(started, emulated_s, self.time_scale)
+        return table, self._stats(rest, emulated_s, late)
+
+    def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
+                      worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        started = time.time()
+        generated = _lengths(cut.column("partial_ids"))
+        prompt = _lengths(cut.column("prompt_ids"))
+        lengths = cut.column(LENGTH).to_numpy()
+        context = prompt + generated
+        run = simulate_run(self._t0(), np.arange(len(cut)), np.maximum(lengths - generated, 1),
+                           context, context.astype(float), self.profile,
+                           self._cap(prompt, lengths))
+        table = self._rollouts(cut, lengths, params, worker, started,
+                               started + run.t_finish * self.time_scale)
+        late = _sleep_until(started, run.t_finish, self.time_scale)
+        return table, self._stats(run, run.t_finish, late)
+
+
+# ---- the trainer ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EmulatedLearner:
+    """What the emulated trainer needs (``TrainSpec.emulate``): the profile's learner."""
+
+    profile: str
+    train_gpus: int
+    time_scale: float
+
+
+class EmulatedTrainer:
+    """The trainer's state on the profile's clock: a policy version and the driver's token,
+    no weights. Same methods as the trainer of ``trainer.py``."""
+
+    def __init__(self, learner: EmulatedLearner) -> None:
+        self.learner, self.profile = learner, get_profile(learner.profile)
+        self.version, self.token, self.cold_start_s = 0, None, 0.0
+
+    def update(self, trainables: list[Generated], spec) -> dict:
+        """The update's time on the profile's learner: forward-only passes and the update
+        over prompt + response tokens. Returns the metrics the driver reads (emulated s)."""
+        started = time.time()
+        tables = [s.table for s in trainables]
+        tokens = float(sum(_lengths(t.column("prompt_ids")).sum()
+                           + _lengths(t.column("response_ids")).sum() for t in tables))
+        gpus = self.learner.train_gpus
+        emulated_s = (self.profile.forward_seconds(tokens, gpus)
+                      + self.profile.update_seconds(tokens, gpus))
+        late = _sleep_until(started, emulated_s, self.learner.time_scale)
+        return {"update_seconds": emulated_s, "update_tokens": tokens,
+                "update_rows": sum(len(t) for t in tables), "late_wall_s": late,
+                "lr": spec.update.lr, "trainer_cold_start_s": 0.0}
+
+    def publish(self, spec, version: int) -> WeightsRef:
+        """Version ``version`` (after the update), nothing written."""
+        self.version = version
+        return WeightsRef(version, WEIGHTS_PATH)
+
+    def save(self, path: str, spec) -> dict:
+        """The trainer's part of a checkpoint (the group ``trainer`` of its zarr store, as
+        the real trainer's): its version, nothing else."""
+        zarr.open_group(path, mode="r+").create_group(
+            "trainer", attributes={"emulated_version": self.version})
+        return {"version": self.version, "bytes": 0, "finite": True, "seconds": 0.0}
+
+    def restore(self, path: str, spec) -> int:
+        group = zarr.open_group(path, mode="r")["trainer"]
+        self.version = int(group.attrs["emulated_version"])
+        return self.version
