@@ -11,46 +11,33 @@ and fetches the newer weights before generating; in synchronous mode that makes 
 from stale weights impossible, and in async mode it bounds how stale they may be
 (``require_version``). Async mode keeps at least ``max_staleness + 2`` versions.
 
-Files rather than scatter: they work unchanged on a laptop and on an HPC shared file system,
-and a worker that joins late (elastic scale-up) finds every version where it expects it.
-Only the ``keep`` newest versions stay on disk, and publishing version N removes any newer
-one (left by a run that resumed from an earlier checkpoint).
+Files in the run directory (``weight_store = "run"``) work unchanged on a laptop and on an
+HPC shared file system, and a worker that joins late (elastic scale-up) finds every version
+where it expects it. Where workers share no disk (``weight_store = "cluster"``), the trainer
+holds ``version_files``' bytes instead and each generation worker writes what it fetched
+into its own directory with ``install_files`` (``pipeline/tasks/weight_store.py``). Only the
+``keep`` newest versions stay, and publishing version N removes any newer one (left by a run
+that resumed from an earlier checkpoint).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from .engine_types import WeightsRef
 from .lora import from_peft_state, is_adapter, lora_config, peft_state, trainable_state
+from .version_store import check_keep, install, process_umask, scratch_path
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's files
 ADAPTER_FILE = "adapter_model.safetensors"
-_VERSION = re.compile(r"v(\d+)(?:\.safetensors)?")  # a published version's name
-
-
-def process_umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` sets one to read it, and
-    a file another thread made meanwhile would get that one)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o077)  # no /proc: the strictest in the meantime
-    os.umask(mask)
-    return mask
 
 
 def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
@@ -64,12 +51,36 @@ def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: in
                   keep: int = 2, lora: LoraConfig | None = None) -> WeightsRef:
     """``publish_weights`` of a ``state_dict`` (e.g. gathered from sharded ranks); adapters
     alone need their ``lora`` config (``lora.lora_config`` of the model)."""
-    if keep < 1:
-        raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
-    store = Path(store)
-    store.mkdir(parents=True, exist_ok=True)
+    check_keep(keep)
+    state = _stored_state(state)
+    tmp = scratch_path(store, version)
+    adapters = _adapters_only(state, lora, version)
+    if adapters:
+        _write_adapter(state, lora, tmp, version)
+    else:
+        _write_tensors(state, tmp, version)
+    return install(tmp, Path(store) / _name(adapters, version), version, keep)
+
+
+def version_files(state: dict[str, torch.Tensor], version: int,
+                  lora: LoraConfig | None = None) -> tuple[str, dict[str, bytes]]:
+    """Version ``version`` in memory, as ``publish_state`` would write it: its name in a
+    store (``v<version>.safetensors`` or ``v<version>``) and each file's bytes by its path
+    under that name (``""``: the name is the file)."""
+    state = _stored_state(state)
+    metadata = {"version": str(version)}
+    if not _adapters_only(state, lora, version):
+        return _name(False, version), {"": save(state, metadata=metadata)}
+    with tempfile.TemporaryDirectory() as scratch:
+        lora.save_pretrained(scratch)
+        config = (Path(scratch) / ADAPTER_CONFIG).read_bytes()
+    return _name(True, version), {ADAPTER_CONFIG: config,
+                                  ADAPTER_FILE: save(peft_state(state), metadata)}
+
+
+def _stored_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` contiguous on the CPU, tied tensors once (safetensors stores one of them)."""
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    # tied embeddings share storage; safetensors stores one of them
     seen: dict[int, str] = {}
     for name in list(state):
         ptr = state[name].data_ptr()
@@ -77,22 +88,22 @@ def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: in
             del state[name]
         else:
             seen[ptr] = name
-    tmp = store / f".v{version}.{os.getpid()}.tmp"
-    if state and all(is_adapter(n) for n in state):
-        if lora is None:
-            raise ValueError(f"publish_weights v{version}: adapters without their LoraConfig")
-        final = store / f"v{version}"
-        _write_adapter(state, lora, tmp, version)
-    else:
-        final = store / f"v{version}.safetensors"
-        _write_tensors(state, tmp, version)
-    _rename_into(tmp, final)
-    published = sorted(_published(store))
-    kept = [path for v, path in published if v <= version][-keep:]
-    for _, path in published:
-        if path not in kept:
-            _remove(path)
-    return WeightsRef(version, str(final))
+    return state
+
+
+def _adapters_only(state: dict[str, torch.Tensor], lora: LoraConfig | None,
+                   version: int) -> bool:
+    """Whether ``state`` is LoRA adapters alone (published as a PEFT directory)."""
+    if not (state and all(is_adapter(n) for n in state)):
+        return False
+    if lora is None:
+        raise ValueError(f"publish_weights v{version}: adapters without their LoraConfig")
+    return True
+
+
+def _name(adapters: bool, version: int) -> str:
+    """A version's name in a store: an adapter directory, or a weights file."""
+    return f"v{version}" if adapters else f"v{version}.safetensors"
 
 
 def _write_tensors(state: dict[str, torch.Tensor], path: Path, version: int) -> None:
@@ -106,33 +117,6 @@ def _write_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, tmp: Path,
     tmp.mkdir(mode=0o777 & ~process_umask())
     lora.save_pretrained(str(tmp))
     _write_tensors(peft_state(state), tmp / ADAPTER_FILE, version)
-
-
-def _rename_into(tmp: Path, final: Path) -> None:
-    """``tmp`` becomes ``final``; a directory there already (a version published again
-    after a resume) is moved aside first, since a rename does not replace a full one."""
-    if final.is_dir():
-        aside = final.with_name(f".{final.name}.{os.getpid()}.old")
-        os.replace(final, aside)
-        shutil.rmtree(aside)
-    os.replace(tmp, final)
-
-
-def _published(store: Path) -> list[tuple[int, Path]]:
-    """(version, path) of every version in ``store``: files and adapter directories."""
-    found = []
-    for path in store.iterdir():
-        m = _VERSION.fullmatch(path.name)
-        if m:
-            found.append((int(m.group(1)), path))
-    return found
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def is_adapter_dir(path: str | Path) -> bool:

@@ -1,0 +1,97 @@
+"""Where the trainer puts each policy version, and how a generation worker gets it.
+
+``weight_store = "run"``: the version is written into the run directory
+(``ops/engine/publish.py``), which every worker reads; the ``WeightsRef`` is its path.
+
+``weight_store = "cluster"``: nothing is written. The trainer's worker holds the ``keep``
+newest versions' bytes in memory (``version_files``) and answers a comm handler of its own,
+``rlhfless_weights``; the ``WeightsRef`` names that worker (``holder``) and the version's
+name. A generation worker whose engine needs the version asks the holder over Dask's comms,
+worker to worker, through its own connection pool (so the cluster's TLS, where configured,
+covers the bytes), writes them into its own local directory and loads them from there. No
+two machines need a common file system. A handler rather than a task pinned to the trainer:
+the trainer's threads are busy updating the next version while generation workers fetch
+(async mode), and a handler runs on the worker's event loop, beside them. Dask's shuffle
+extends its workers the same way (``worker.handlers[...]``).
+
+A trainer that restarts loses what it held; recovery publishes the restored version again
+(``durable/recovery.py``), and the new ``WeightsRef`` names the new holder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distributed import get_worker
+from distributed.protocol import to_serialize
+from distributed.utils import sync
+
+from rlhfless.ops.engine.engine_types import WeightsRef
+from rlhfless.ops.engine.version_store import check_keep, install_files
+
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+
+HANDLER = "rlhfless_weights"  # the trainer worker's comm handler that serves versions
+LOCAL_STORE = "rlhfless-weights"  # under a generation worker's local directory
+
+# version -> (its name, its files, the versions kept): what this trainer holds
+_HELD: dict[int, tuple[str, dict[str, bytes], int]] = {}
+
+
+def publish_version(state: dict[str, torch.Tensor], store: str | None, version: int,
+                    keep: int, lora: LoraConfig | None = None) -> WeightsRef:
+    """Publish ``state`` (all weights, or LoRA adapters with their ``lora`` config) as
+    ``version``: into the directory ``store``, or, where ``store`` is None, held by this
+    worker for the cluster to fetch. Either keeps the ``keep`` newest versions up to
+    ``version`` and drops newer ones."""
+    # torch only here, on the trainer: generation workers import this module for
+    # ``local_weights`` whatever their engine (the emulated one loads no torch)
+    from rlhfless.ops.engine.publish import publish_state, version_files
+
+    if store is not None:
+        return publish_state(state, store, version, keep, lora)
+    check_keep(keep)
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise RuntimeError("weight_store = 'cluster' publishes from a Dask worker, which "
+                           "serves the versions it holds; this task runs outside one") from None
+    worker.handlers[HANDLER] = serve_version
+    _HELD[version] = (*version_files(state, version, lora), keep)
+    kept = [v for v in sorted(_HELD) if v <= version][-keep:]
+    for held in list(_HELD):
+        if held not in kept:
+            del _HELD[held]
+    return WeightsRef(version, _HELD[version][0], holder=worker.address)
+
+
+def held_versions() -> list[int]:
+    """The versions this process holds for the cluster, oldest first."""
+    return sorted(_HELD)
+
+
+def serve_version(version: int) -> dict:
+    """The comm handler: version ``version``'s files, or which versions are held instead."""
+    if version not in _HELD:
+        return {"status": "missing", "held": held_versions()}
+    name, files, keep = _HELD[version]
+    return {"status": "OK", "name": name, "keep": keep,
+            "files": {rel: to_serialize(data) for rel, data in files.items()}}
+
+
+def local_weights(ref: WeightsRef) -> WeightsRef:
+    """``ref`` as an engine loads it: unchanged where it is a path; where a worker holds it,
+    fetched from that worker into this one's local directory (the holder's ``keep`` newest
+    versions stay there), and the path of the copy."""
+    if ref.holder is None:
+        return ref
+    worker = get_worker()
+    reply = sync(worker.loop, worker.rpc(ref.holder).rlhfless_weights, version=ref.version)
+    if reply["status"] != "OK":
+        raise RuntimeError(f"worker {worker.address}: policy v{ref.version} is not held by "
+                           f"the trainer at {ref.holder} (it holds {list(reply['held'])})")
+    store = Path(worker.local_directory) / LOCAL_STORE
+    return install_files(reply["name"], reply["files"], store, ref.version, reply["keep"])

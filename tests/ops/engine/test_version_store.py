@@ -1,0 +1,57 @@
+"""A version in memory (``version_files``) is byte for byte what ``publish_state`` writes,
+full weights and LoRA adapters alike, and ``install_files`` puts it into another store
+where the policy loads from it exactly; that store keeps its ``keep`` newest versions."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from rlhfless.ops.engine.lora import LoraSpec, add_adapters, lora_config, trainable_state
+from rlhfless.ops.engine.publish import load_weights, publish_state, version_files
+from rlhfless.ops.engine.version_store import install_files
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    """A published version's files by their path under it ("": the version is the file)."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+def _adapted(model: torch.nn.Module) -> torch.nn.Module:
+    adapted = add_adapters(copy.deepcopy(model), LoraSpec(rank=4, alpha=8.0))
+    with torch.no_grad():  # B starts at zero: give the adapters an effect to carry
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.linspace(-0.1, 0.1, p.numel()).reshape(p.shape))
+    return adapted
+
+
+def test_a_version_in_memory_is_the_published_files(model, tmp_path):
+    adapted = _adapted(model)
+    for source in (model, adapted):
+        state = trainable_state(source, source.state_dict())
+        written = publish_state(state, tmp_path / "run", 4, lora=lora_config(source))
+        name, files = version_files(state, 4, lora_config(source))
+        assert name == Path(written.path).name
+        assert files == _files(Path(written.path))
+
+
+def test_installed_files_load_the_policy_and_keep_the_newest(model, tmp_path):
+    adapted = _adapted(model)
+    state = trainable_state(adapted, adapted.state_dict())
+    store = tmp_path / "worker"
+    for version in (1, 2, 3):
+        ref = install_files(*version_files(state, version, lora_config(adapted)), store,
+                            version, keep=2)
+    assert sorted(p.name for p in store.iterdir()) == ["v2", "v3"]  # no temporary left
+    fresh = add_adapters(copy.deepcopy(model), LoraSpec(rank=4, alpha=8.0))
+    load_weights(fresh, ref)
+    ids = torch.tensor([[5, 9, 17, 3]])
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, adapted(input_ids=ids).logits)
+    install_files(*version_files(state, 2, lora_config(adapted)), store, 2, keep=2)
+    assert sorted(p.name for p in store.iterdir()) == ["v2"]  # a resumed run's v3 is gone
