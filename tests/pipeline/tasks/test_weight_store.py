@@ -1,5 +1,6 @@
 """Versions published through the cluster (``weight_store = "cluster"``) on a real
-LocalCluster: a worker fetches what another worker's process holds, over Dask's comms, into
+LocalCluster: a worker fetches what another worker's process holds, over Dask's comms (TLS
+here), into
 its own directory; the holder keeps its ``keep`` newest versions. A run with
 ``weight_store = "cluster"`` writes no version into the run directory, yet its generation
 workers generate each iteration from the trainer's version, and it resumes from its
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed import Client, LocalCluster
+from distributed.security import Security
 from safetensors.torch import load_file
 
 from rlhfless.pipeline.config import Config, ConfigError
@@ -27,10 +29,13 @@ def _shifted(version: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_worker_fetches_the_version_another_process_holds(tmp_path):
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None, local_directory=tmp_path) as cluster, \
-            Client(cluster) as client:
+    security = Security.temporary()  # the fetch goes over the cluster's TLS
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tls://",
+                      security=security, dashboard_address=None,
+                      local_directory=tmp_path) as cluster, \
+            Client(cluster, security=security) as client:
         trainer, generator = sorted(client.scheduler_info()["workers"])
+        assert trainer.startswith("tls://")
 
         def on(address, fn, *args):
             return client.submit(fn, *args, workers=[address], pure=False).result()
