@@ -1,4 +1,5 @@
-"""Emulated generation and update tasks: lengths from the trace, times from the profile."""
+"""The emulated engine and trainer: lengths from the trace, times from the profile, through
+the engine protocol (the same calls the generation tasks make)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import time
 import pyarrow as pa
 import pytest
 
+from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.schema import ROLLOUTS
+from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, StopRule, WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated
-from rlhfless.pipeline.tasks import emulated_backend as emu
+from rlhfless.ops.engine.registry import make_engine, resolved
+from rlhfless.pipeline.tasks import emulated as emu
+from rlhfless.pipeline.tasks.trainer import TrainSpec
 from rlhfless.schedulers.profiles import get_profile
 
 # round numbers, so that every expected time below is worked out by hand: a decode step takes
@@ -36,14 +41,19 @@ def _shard(lengths: list[list[int]], prompt_len: int = 30) -> pa.Table:
     })
 
 
-def _spec(cap: int = 1024) -> emu.EmulatedGenSpec:
-    return emu.EmulatedGenSpec(PROFILE, N, SCALE, cap, max_new_tokens=512)
+PARAMS = SamplingParams(max_new_tokens=512)
 
 
-@pytest.fixture(autouse=True)
-def fresh_worker_state():
-    emu._STATE["version"] = 0
-    emu._PAUSED.clear()
+def _engine(version: int = 0) -> emu.EmulatedEngine:
+    """The engine a worker builds from the run's spec (options by name), on ``PROFILE``."""
+    spec = resolved(EngineSpec("emulated", backend="emulated",
+                               options={"time_scale": SCALE, "cap": 1024}))
+    engine = make_engine(spec)
+    engine.profile = PROFILE
+    engine.load()
+    if version:
+        engine.set_weights(WeightsRef(version, emu.WEIGHTS_PATH))
+    return engine
 
 
 def _decode_s(lengths: list[int], ctx0: int) -> float:
@@ -57,17 +67,16 @@ def _decode_s(lengths: list[int], ctx0: int) -> float:
 def test_generate_takes_the_profiles_time_and_the_traces_lengths():
     lengths = [[40, 80, 120, 500], [10, 20, 30, 40]]
     started = time.time()
-    out = emu.generate_task(_shard(lengths), emu.EmulatedWeights(1), _spec(), seed=0)
+    table, stats = _engine(version=1).generate(_shard(lengths), N, PARAMS)
     wall = time.time() - started
     # version 1 is fetched first (0.25 s), each group's 30-token prompt prefilled once
     # (60 / 600 s), 500 decode steps: 10 + 0.84 + 0.16248 s
     assert _decode_s(sum(lengths, []), 30) == pytest.approx(11.00248)
-    assert out.stats.gen_seconds == pytest.approx(0.25 + 0.1 + 11.00248)
-    assert out.stats.decode_steps == 500 and out.stats.decode_tokens == 840
+    assert stats.gen_seconds == pytest.approx(0.25 + 0.1 + 11.00248)
+    assert stats.decode_steps == 500 and stats.decode_tokens == 840
     # it slept for its emulated time, and the time it ran past that is what it reports late
-    late = out.stats.late_wall_s
-    assert late >= 0 and out.stats.gen_seconds * SCALE + late <= wall
-    table = out.table
+    late = stats.late_wall_s
+    assert late >= 0 and stats.gen_seconds * SCALE + late <= wall
     assert table.schema.equals(ROLLOUTS)
     assert [len(r) for r in table.column("response_ids").to_pylist()] == sum(lengths, [])
     assert table.column("sample_idx").to_pylist() == [0, 1, 2, 3] * 2
@@ -77,53 +86,53 @@ def test_generate_takes_the_profiles_time_and_the_traces_lengths():
 
 def test_chunk_then_resume_is_the_whole_schedule():
     lengths = [[40, 80, 120, 500], [10, 20, 30, 50]]
-    weights, spec = emu.EmulatedWeights(0), _spec()
-    out = emu.generate_chunk_task(_shard(lengths), weights, spec, 0, 0.5, key="k")
-    done = out["done"].table
-    assert len(done) == 4 and len(out["cut"]) == 4
+    engine = _engine()
+    chunk = engine.generate_until(_shard(lengths), N, PARAMS, StopRule(0.5))
+    done = chunk.done
+    assert len(done) == 4 and len(chunk.cut) == 4
     assert sorted(len(r) for r in done.column("response_ids").to_pylist()) == [10, 20, 30, 40]
-    rest = emu.resume_task("k", weights, spec)
-    both = out["done"].stats.merge(rest.stats)
+    rest_table, rest_stats = engine.resume(chunk.paused, PARAMS)
+    both = chunk.stats.merge(rest_stats)
     # the whole schedule: no fetch (version 0 is held), two prompts of 30 tokens prefilled
     assert both.gen_seconds == pytest.approx(60 / 600 + _decode_s(sum(lengths, []), 30))
     assert both.decode_tokens == 850 and both.decode_steps == 500
-    got = pa.concat_tables([done, rest.table])
+    got = pa.concat_tables([done, rest_table])
     assert sorted(zip(got.column("prompt_id").to_pylist(), got.column("sample_idx").to_pylist(),
                       (len(r) for r in got.column("response_ids").to_pylist()))) == sorted(
         (f"p{g}", s, lengths[g][s]) for g in range(2) for s in range(N))
-    assert not emu.drop_task("k")  # resumed: nothing paused is left
 
 
 def test_a_moved_tail_recomputes_its_prefix_and_finishes_elsewhere():
     lengths = [[40, 80, 120, 500]]
-    weights, spec = emu.EmulatedWeights(0), _spec()
-    out = emu.generate_chunk_task(_shard(lengths), weights, spec, 0, 0.5, key="k")
-    cut = out["cut"]
+    chunk = _engine().generate_until(_shard(lengths), N, PARAMS, StopRule(0.5))
+    cut = chunk.cut
     partial = [len(p) for p in cut.column("partial_ids").to_pylist()]
     assert partial == [80, 80]  # cut when the second of four finished
-    assert emu.drop_task("k")
-    moved = emu.continue_task(cut, weights, spec, seed=1)
+    table, stats = _engine().continue_rows(cut, PARAMS)  # on another worker's engine
     # 40 and 420 tokens left, each prefilling its 30 + 80 tokens again: 220 / 600 s + 420 steps
-    assert moved.stats.gen_seconds == pytest.approx(220 / 600 + _decode_s([40, 420], 110))
+    assert stats.gen_seconds == pytest.approx(220 / 600 + _decode_s([40, 420], 110))
     assert _decode_s([40, 420], 110) == pytest.approx(8.4 + 0.46 + 0.13937)
-    assert moved.stats.prefill_tokens == 220  # prompt + generated, recomputed
-    assert [len(r) for r in moved.table.column("response_ids").to_pylist()] == [120, 500]
+    assert stats.prefill_tokens == 220  # prompt + generated, recomputed
+    assert [len(r) for r in table.column("response_ids").to_pylist()] == [120, 500]
 
 
 def test_the_update_takes_the_learners_time():
     rows = pa.table({"prompt_ids": pa.array([[1] * 100] * 8, pa.list_(pa.int32())),
                      "response_ids": pa.array([[0] * 300] * 8, pa.list_(pa.int32())),
                      "reward": pa.array([1.0, 0.0] * 4)})
-    spec = emu.EmulatedTrainSpec(PROFILE, train_gpus=16, time_scale=SCALE)
-    metrics = emu.update_task([Generated(rows)], emu.EmulatedWeights(0), spec)
+    trainer = emu.EmulatedTrainer(emu.EmulatedLearner(PROFILE.name, 16, SCALE))
+    trainer.profile = PROFILE
+    spec = TrainSpec(EngineSpec("emulated"), UpdateParams(lr=0.25), None,
+                     emulate=trainer.learner)
+    metrics = trainer.update([Generated(rows)], spec)
     # 3200 tokens on 16 GPUs: two forwards at 400 tokens/s/GPU (1 s), 1 s + 3200 / 1600 s update
     assert metrics["update_seconds"] == pytest.approx(1.0 + 3.0)
-    assert metrics["update_tokens"] == 8 * 400
-    assert metrics["reward_mean"] == 0.5
-    assert emu.publish_task(metrics, spec, 3) == emu.EmulatedWeights(3)
+    assert metrics["update_tokens"] == 8 * 400 and metrics["lr"] == 0.25
+    assert trainer.publish(spec, 3) == WeightsRef(3, emu.WEIGHTS_PATH) and trainer.version == 3
 
 
-def test_the_emulated_tasks_do_not_import_torch():
-    code = ("import sys; import rlhfless.pipeline.tasks.emulated_backend; "
+def test_an_emulated_worker_imports_no_torch():
+    """What an emulated generation worker preloads (pools.gen_tasks) loads no framework."""
+    code = ("import sys; import rlhfless.pipeline.tasks.emulated, rlhfless.pipeline.tasks.rollout; "
             "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
