@@ -57,6 +57,9 @@ def iteration_record(iteration: int, version: int, started: float, plan,
     record = {
         "iteration": iteration, "policy_version": version, "time": time.time(),
         "iteration_s": time.time() - started, "samples": len(table),
+        # the longest shard's generation seconds (its pieces summed): generation's share of
+        # the iteration's critical path
+        "gen_path_s": max((t.stats.gen_seconds for t in trainables), default=0.0),
         "prefill_tokens_naive": plan.naive_prefill_tokens,
         "prefill_tokens_planned": plan.planned_prefill_tokens,
         **prefill_figures(gen), **gen, **rollout_metrics(table), **update,
