@@ -43,6 +43,10 @@ class GenerationStats:
     """A generation run's counters (the engine's) and the task's own figures."""
 
     prefill_tokens: int = 0  # prompt tokens that went through the model
+    # prompt tokens whose KV was there already (a shared prefix computed once, a
+    # conversation's KV kept from its last turn or request): not run again
+    prefill_reused_tokens: int = 0
+    prefill_requests: int = 0  # sequences whose prompt the engine took (sample, turn, request)
     prefill_seconds: float = 0.0
     decode_tokens: int = 0  # sampled tokens (sum over steps of the live batch size)
     decode_steps: int = 0

@@ -58,8 +58,9 @@ def _prefill_prefixes(model, prefixes: list[list[int]]) -> list[list[tuple]]:
 
 
 def stack_prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int]):
-    """Stack each prompt's prefix KV, right-aligned to the longest prefix: a cache of
-    [U, H, P, D] per layer and its mask [U, P]."""
+    """Stack each row's prefix KV (the first ``prefix_lens[row]`` positions of
+    ``prefix_kv[owner[row]]``), right-aligned to the longest prefix: a cache of [U, H, P, D]
+    per layer and its mask [U, P]."""
     width = max(prefix_lens)
     mask = torch.zeros((len(owner), width), dtype=torch.long, device=model.device)
     if width == 0:
@@ -72,8 +73,8 @@ def stack_prefix_cache(model, prefix_kv, owner: list[int], prefix_lens: list[int
         v = ref_v.new_zeros((len(owner), ref_v.shape[1], width, ref_v.shape[3]))
         for row, (p, length) in enumerate(zip(owner, prefix_lens)):
             if length:
-                k[row, :, width - length :] = prefix_kv[p][layer][0][0]
-                v[row, :, width - length :] = prefix_kv[p][layer][1][0]
+                k[row, :, width - length :] = prefix_kv[p][layer][0][0, :, :length]
+                v[row, :, width - length :] = prefix_kv[p][layer][1][0, :, :length]
         layers.append((k, v))
     for row, length in enumerate(prefix_lens):
         mask[row, width - length :] = 1 if length else 0
@@ -195,7 +196,10 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
 
     suffixes = [p[k:] for p, k in zip(prompts, prefix_lens)]
     logits, mask = extend_cache(model, cache, past_mask, prefix_lens, suffixes, pad_id)
-    stats.prefill_tokens += sum(len(p) for p in prefixes) + sum(map(len, suffixes))
+    prefilled = sum(len(p) for p in prefixes) + sum(map(len, suffixes))
+    stats.prefill_tokens += prefilled
+    stats.prefill_reused_tokens += repeat * sum(map(len, prompts)) - prefilled
+    stats.prefill_requests += repeat * len(prompts)
     next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
     if repeat > 1:
         cache.batch_repeat_interleave(repeat)
@@ -227,6 +231,7 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
     out = forward_with_cache(model, cache, input_ids=ids, attention_mask=mask,
                              position_ids=positions_of(mask))
     stats.prefill_tokens += int(mask.sum())
+    stats.prefill_requests += len(full)
     stats.prefill_seconds += time.perf_counter() - started
     next_pos = torch.tensor([len(f) for f in full], device=model.device)
     budgets = [params.max_new_tokens - len(g) for g in generated]

@@ -357,7 +357,10 @@ class VLLMBackend(GenerationBackend):
                                policy_version=self.version, worker=worker, start=start,
                                end=time.time())
         tokens = sum(len(r[0]) for r in results)
-        stats = GenerationStats(prefill_tokens=sum(len(p) for p in ids) - cached,
+        prefilled = sum(len(p) for p in ids) - cached
+        stats = GenerationStats(prefill_tokens=prefilled,
+                                prefill_reused_tokens=n_samples * sum(map(len, ids)) - prefilled,
+                                prefill_requests=n_samples * len(ids),
                                 decode_tokens=tokens,
                                 decode_steps=max((len(r[0]) for r in results), default=0),
                                 decode_seconds=seconds)

@@ -89,4 +89,6 @@ def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
               for p, out in zip(prompts, latest)]
     stats.decode_tokens += sum(len(r[0]) for r in results)
     stats.prefill_tokens += sum(len(p) for p in prompts) - sum(cached)
+    stats.prefill_reused_tokens += sum(cached)
+    stats.prefill_requests += len(prompts)
     return Outcome(results, finished)

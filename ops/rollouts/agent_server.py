@@ -24,7 +24,15 @@ logprobs and finish reason, and its seconds); ``close_episode`` hands the record
 ``n`` samples of a request are drawn under their own keys, derived from the episode's key
 and the samples drawn before, so an episode replays the same draws on the same engine.
 ``stream: true`` is served as server-sent events of the whole response, sampled and recorded
-as the same request unstreamed (``agent_stream.py``). ``tool_choice`` other than "auto" /
+as the same request unstreamed (``agent_stream.py``).
+
+An episode keeps what the engine kept of its latest request (``Turn.cache``: the first
+sample's conversation, as ``decode_turns(keep_cache=True)`` keeps a multi-turn episode's),
+and its next request starts from it: on our engine it runs only the ids the kept KV does not
+hold (the request's ids after the longest prefix they share with the last request's prompt
+and sample), so an agent's conversation is prefilled once, as an environment's is. The kept
+state is the engine's at its weights: a request under other weights, or of another engine,
+starts afresh; it is dropped when the episode ends. ``tool_choice`` other than "auto" /
 "none" is accepted but not enforced.
 """
 
@@ -77,6 +85,9 @@ class _Episode:
     ended: bool = False  # its agent returned: it sends nothing more
     # the last chat request: its messages, prompt ids, and each answer with its sampled ids
     chat: tuple[list[dict], list[int], list[tuple[dict, list[int]]]] | None = None
+    # what the engine kept of the latest request's conversation (``Turn.cache``), and the
+    # engine and weights version it was kept at
+    kept: tuple[Any, int, Any] | None = None
 
 
 @dataclass
@@ -166,7 +177,7 @@ class AgentEndpoint:
         with self._lock:
             episode = self._episodes.get(token)
             if episode is not None and not episode.ended:
-                episode.ended = True
+                episode.ended, episode.kept = True, None
                 self._live -= 1
 
     def close_episode(self, token: str) -> list[Call]:
@@ -219,12 +230,17 @@ class AgentEndpoint:
             keys = subkeys(np.full(n, episode.key, dtype=np.uint64),
                            np.arange(episode.drawn, episode.drawn + n, dtype=np.uint64))
             episode.drawn += n
+            kept = episode.kept
+        cache = kept[2] if kept is not None and kept[:2] == (engine, engine.version) else None
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        job = _Job([Turn(list(prompt_ids), budget, int(k)) for k in keys], params,
+        job = _Job([Turn(list(prompt_ids), budget, int(k), cache) for k in keys], params,
                    loop.create_future(), loop)
         self._jobs.put(job)
         samples = await job.done
+        with self._lock:
+            if not episode.ended:
+                episode.kept = (engine, engine.version, job.turns[0].cache)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         samples = [cut_at_stop(engine.tokenizer, *s, stop) for s in samples]
@@ -262,7 +278,7 @@ class AgentEndpoint:
         try:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
-            self.engine.decode_turns(turns, params, self.stats, keep_cache=False)
+            self.engine.decode_turns(turns, params, self.stats, keep_cache=True)
             outcome: Any = None
         except BaseException as err:  # the request fails, the server goes on
             outcome = err

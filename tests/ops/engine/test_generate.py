@@ -181,6 +181,9 @@ def test_prefill_counts_follow_the_plan(model, tokenizer, plan):
                                  share_prefixes=False)
     assert shared.prefill_tokens == plan.planned_prefill_tokens
     assert plain.prefill_tokens == plan.naive_prefill_tokens
+    assert shared.prefill_reused_tokens == plan.saved_prefill_tokens
+    assert plain.prefill_reused_tokens == 0
+    assert shared.prefill_requests == plain.prefill_requests == 2 * len(plan.prompts)
     assert shared.prefill_seconds + shared.decode_seconds > 0 and shared.decode_steps <= 4
 
 

@@ -1,6 +1,6 @@
 """Agent episodes end to end on a real LocalCluster: each generation worker serves its
-episodes' requests from its engine, the trajectories train, and an agent that fails ends
-only its own episodes."""
+episodes' requests from its engine, keeping each episode's KV across its requests, the
+trajectories train, and an agent that fails ends only its own episodes."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
     # the engines' wait on the agents (their process start at least) is billed apart
     assert all(0 < m["env_wait_worker_s"] <= m["gen_worker_s"]
                and m["env_wait_cost"] > 0 for m in iterations)
+    for m in iterations:  # each request ran only what the model had not seen of it
+        rows = pq.read_table(run.path / "rollouts"
+                             / f"iter-{m['iteration']:05d}.parquet").to_pylist()
+        new = sum(len(r["prompt_ids"]) + r["loss_mask"].count(0) for r in rows)
+        assert m["prefill_tokens"] <= 1.1 * new
+        assert m["prefill_tokens_saved"] >= sum(len(r["prompt_ids"]) for r in rows)
     rows = pq.read_table(run.path / "rollouts" / "iter-00001.parquet").to_pylist()
     assert len(rows) == 8 and {r["turns"] for r in rows} == {2}
     assert all(0 in r["loss_mask"] and r["loss_mask"][0] == 1 for r in rows)
