@@ -192,9 +192,8 @@ class Config:
     replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept (async: >= max_staleness + 2)
-    # where versions go: run (files in the run directory, which every worker must see) |
-    # cluster (held by the trainer, fetched worker to worker over Dask's comms: no shared disk)
-    weight_store: str = "run"
+    weight_store: str = "run"  # where versions go: run (files every worker reads) | cluster
+    # (held by the trainer, fetched worker to worker over Dask's comms: no shared disk)
     policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra) |
     # emulated (a GPU profile's clock, docs/emulated.md) | a registered name
