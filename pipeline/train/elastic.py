@@ -249,15 +249,37 @@ class ElasticGeneration(Generation):
         """Submit a generation task to ``worker``, declaring its predicted ``work``
         (default: the remaining tokens of the sequences in ``load``)."""
         work = work or (load.remaining_tokens, load.remaining_tokens, load.current_lengths)
+        worker, address = self._placed(worker, key)
         with generation_work(*work):
-            fut = self.pc.client.submit(fn, *args, key=key,
-                                        workers=[self.pc.address_of(worker)],
+            fut = self.pc.client.submit(fn, *args, key=key, workers=[address],
                                         resources={"GEN": 1}, allow_other_workers=False,
                                         pure=False)
         self.where[fut.key] = (shard, worker)
         self.pending.setdefault(shard, set()).add(fut.key)
         self.load[worker] = load
         self.ac.add(fut)
+
+    def _placed(self, worker: str, key: str) -> tuple[str, str]:
+        """``worker`` and its address, waited for while it starts or restarts; a worker that
+        has left the pool (released by the queue's sizing, or lost for good) is replaced:
+        by an idle worker of the pool, else by a new one, else by the least loaded."""
+        try:
+            return worker, self.pc.address_of(worker)
+        except KeyError:
+            self.load.pop(worker, None)
+        members = self.pc.worker_names("gen")
+        idle = [w for w in members if w in self.load and not self.load[w].busy]
+        if idle:
+            other = idle[0]
+        elif len(members) < self.cfg.gen_workers:
+            other = self.pc.grow("gen", 1)[0]
+        else:
+            other = min(members, key=lambda w: sum(self.load[w].remaining_tokens)
+                        if w in self.load else 0.0)
+        self.load.setdefault(other, WorkerProgress(0, 0, busy=False))
+        self.log(self.iteration, pool="gen", kind="replace", worker=worker, by=other, key=key,
+                 reason=f"worker {worker} left the pool before {key} reached it")
+        return other, self.pc.address_of(other)
 
     def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
                      seed: int, iteration: int) -> int:

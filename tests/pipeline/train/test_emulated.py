@@ -116,6 +116,32 @@ def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path,
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
 
 
+def moving_to(policy: ScalingPolicy, target: str) -> ScalingPolicy:
+    """``always_moving``, every tail sent to ``target``."""
+    policy = always_moving(policy)
+    policy.migrate = lambda progress, kv_transfer=False: [
+        dataclasses.replace(m, target=target) for m in every_paused_tail_moves(progress)]
+    return policy
+
+
+@pytest.mark.slow
+def test_a_move_to_a_worker_that_has_gone_lands_on_another(tmp_path, monkeypatch):
+    """The policy sends each tail to a worker that is not in the pool (one released or lost
+    between the decision and the move): the controller replaces it by a worker of the pool,
+    says so, and loses no sample (before: KeyError, the run ended)."""
+    scaling = Emulation.scaling
+    monkeypatch.setattr(Emulation, "scaling",
+                        lambda self: moving_to(scaling(self), "gen-gone"))
+    run = train(_config(tmp_path, "elastic", tau=0.5), progress=False, log=lambda _: None)
+    _each_sample_once(run, _trace())
+    decisions = [json.loads(x) for x in (run.path / "decisions.jsonl").read_text().splitlines()]
+    moves = [d for d in decisions if d["kind"] == "migrate"]
+    replaced = [d for d in decisions if d["kind"] == "replace"]
+    assert moves and all(m["target"] == "gen-gone" for m in moves)
+    assert len(replaced) == len(moves)
+    assert all(r["worker"] == "gen-gone" and r["by"].startswith("gen-") for r in replaced)
+
+
 def _diagnostics() -> tuple:
     return tuple(dask.config.get(key) for key in QUIET_WORKER_CONFIG)
 
