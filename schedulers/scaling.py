@@ -29,7 +29,8 @@ Given each group's predicted seconds outside the model (``pred_env_seconds``: en
 calls, an agent's own code), the assignment ranks and balances each sample's predicted
 seconds (``assignment.group_work``, a token at one decode step of the group's own batch)
 instead of its tokens; the workers' predicted seconds are still their tokens' and prompts'
-plus the throughput model's wait on environments, once per busy worker.
+plus the throughput model's wait on environments, once per busy worker, and its fetch of the
+iteration's policy version (``weight_fetch_s``), also once per busy worker.
 """
 
 from __future__ import annotations
@@ -231,8 +232,9 @@ def choose_generation_workers(
     k = np.arange(offsets[-1]) - np.repeat(offsets[:-1], ns)  # [R] worker index in candidate
     busy = (sum_len > 0) | (ptoks > 0) | (max_len > 0)
     cold = np.where((k >= keep_warm) & busy, model.cold_start_s, 0.0)
+    # every busy worker fetches the iteration's version and waits on its agents
     t_row = np.where(busy, model.worker_seconds(max_len, n_samples * sum_len, ptoks)
-                     + model.env_wait_s, 0.0) + cold  # every busy worker waits on its agents
+                     + model.env_wait_s + model.weight_fetch_s, 0.0) + cold
     time_s = np.maximum.reduceat(t_row, offsets[:-1])
     cost_ws = np.add.reduceat(t_row, offsets[:-1])
     step_t, step_c = time_s + fixed_seconds, cost_ws + fixed_cost_ws

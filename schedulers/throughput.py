@@ -1,7 +1,7 @@
 """Generation-time model of one worker, fitted online from the run's own timings.
 
 The scaling and migration policies ask "how long would this worker take to generate these
-sequences?". The model answers with three measured quantities:
+sequences?". The model answers with these quantities:
 
 - decode step time ``t_step(b) = a + c*b`` seconds for a live batch of ``b`` sequences,
   fitted by (weighted) least squares over a bounded window of observations;
@@ -11,6 +11,9 @@ sequences?". The model answers with three measured quantities:
   (``env_wait_s``), an EWMA of the shards that reported it (0 before any did). The agents of
   a shard run at once, so the wait is charged once per busy worker, not per sequence: adding
   workers does not shorten it, and each one pays it.
+- each busy worker's fetch of the iteration's policy version (``weight_fetch_s``), priced
+  from the run's model size and measured rates (``weight_costs.WeightCosts``), not learned:
+  like the wait, once per busy worker, so more workers cost more fetches.
 
 Under continuous batching a finished sequence leaves the batch, so at decode step ``s`` the
 live batch is the number of sequences with length >= s. Summed over steps::
@@ -75,11 +78,13 @@ class ThroughputModel:
         max_batch: int | None = None,  # engine cap on live sequences; None = no cap
         window: int = 1024,  # observations kept for the decode and prefill fits
         cold_start_alpha: float = 0.3,  # EWMA weight of the newest measured cold start
+        weight_fetch_s: float = 0.0,  # a worker's fetch of each version (``WeightCosts``)
     ) -> None:
         self.prior_intercept_s = _positive("step_intercept_s", step_intercept_s, allow_zero=True)
         self.prior_slope_s = _positive("step_slope_s", step_slope_s, allow_zero=True)
         self.prior_prefill_tokens_per_s = _positive("prefill_tokens_per_s", prefill_tokens_per_s)
         self.prior_cold_start_s = _positive("cold_start_s", cold_start_s, allow_zero=True)
+        self.weight_fetch_s = _positive("weight_fetch_s", weight_fetch_s, allow_zero=True)
         if max_batch is not None and (int(max_batch) != max_batch or max_batch < 1):
             raise ValueError(f"ThroughputModel: max_batch={max_batch!r}; allowed: None or int >= 1")
         if int(window) != window or window < 2:
@@ -227,6 +232,7 @@ class ThroughputModel:
             "step_slope_s": self._c,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "cold_start_s": self.cold_start_s,
+            "weight_fetch_s": self.weight_fetch_s,
             "max_batch": self.max_batch,
             "n_decode_obs": int(self._decode.shape[0]),
             "n_prefill_obs": int(self._prefill.shape[0]),
