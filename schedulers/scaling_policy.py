@@ -80,6 +80,21 @@ class IterationTimings:
     cold_starts: Sequence[float]  # every generation cold start of the run so far
 
 
+@dataclass(frozen=True)
+class Release:
+    """Whether an idle generation worker goes now: its predicted idle gap against the
+    keep-alive (``ScalingPolicy.release_idle``)."""
+
+    release: bool
+    gap_s: float
+    keep_alive_s: float
+
+    @property
+    def reason(self) -> str:
+        return (f"idle gap {self.gap_s:.2f} s {'>=' if self.release else '<'} keep-alive "
+                f"{self.keep_alive_s:.2f} s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScalingKnobs:
     """The elastic policy's knobs, with the defaults of live runs and simulations alike."""
@@ -219,6 +234,16 @@ class ScalingPolicy:
         """Keep an idle worker through ``idle_gap_s`` (shorter than the keep-alive), or
         release it now."""
         return idle_gap_s < self.keep_alive_s(restart_s)
+
+    def release_idle(self, busy: Sequence[WorkerProgress]) -> Release:
+        """Whether to release an idle generation worker now, while ``busy`` workers still
+        generate: it would idle until the busiest finishes (the throughput model's seconds
+        for its remaining tokens) and then through the rest of the step (``idle_gap_s``);
+        kept when that is shorter than the keep-alive."""
+        left = max((self.throughput.predict_worker_seconds(np.asarray(p.remaining_tokens), 0)
+                    for p in busy), default=0.0)
+        gap = self.idle_gap_s(left)
+        return Release(not self.keeps_alive(gap), gap, self.keep_alive_s())
 
     def sizing(self, n_samples: int, max_workers: int,
                rest_workers: float | None = None) -> PoolSizing:

@@ -194,3 +194,18 @@ def test_state_dict_round_trips_what_the_policy_learned():
                                scaling.predict(["p1", "p2", "new"]))
     np.testing.assert_allclose(fresh.predict_env(["p1", "p2", "new"]), [1.0, 2.0, 1.5])
     assert fresh.throughput.to_record() == scaling.throughput.to_record()
+
+
+def test_the_policy_decides_when_an_idle_worker_is_released():
+    """Released when its idle gap (the busiest worker's remaining decode, then the rest of
+    the step) reaches the keep-alive (here the 5 s cold start), kept otherwise; the decision
+    says why. Steps of ~0.02 s: 10 tokens left take ~0.2 s, 1,000 take ~20 s."""
+    scaling = ScalingPolicy(ScalingKnobs(), _model())
+    scaling.observe_after_generation(3.0)
+    assert not scaling.release_idle([]).release  # only the 3 s rest of the step
+    short = WorkerProgress(2, 0, ["a#0", "a#1"], [30, 30], [10.0, 10.0], busy=True)
+    long = WorkerProgress(2, 0, ["b#0", "b#1"], [30, 30], [1000.0, 1000.0], busy=True)
+    kept, released = scaling.release_idle([short]), scaling.release_idle([short, long])
+    assert not kept.release and 3.0 < kept.gap_s < 5.0 and "<" in kept.reason
+    assert released.release and released.gap_s > 20.0 and released.keep_alive_s == 5.0
+    assert released.reason.startswith(f"idle gap {released.gap_s:.2f} s >= keep-alive 5.00 s")

@@ -40,6 +40,7 @@ from rlhfless.pipeline.specs import make_specs
 from rlhfless.pipeline.tasks.rollout import generate_chunk_task, generation_engine
 from rlhfless.pipeline.train import loop
 from rlhfless.pipeline.train.elastic import ElasticGeneration
+from rlhfless.pipeline.train.elastic_round import ElasticRound
 from rlhfless.pipeline.train.loop import train
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.migration import Migration
@@ -157,7 +158,7 @@ class MovingOncePolicy(MovingPolicy):
         return moves
 
 
-class SourceDiesAfterExport(ElasticGeneration):
+class SourceDiesAfterExportRound(ElasticRound):
     """Kills the source of the first KV move once its export is done and before the
     target's adoption is submitted: the KV exists on the dead worker only."""
 
@@ -168,6 +169,10 @@ class SourceDiesAfterExport(ElasticGeneration):
             self.killed = move.source
             kill_worker(self.pc, self.pc.address_of(move.source))
         return super()._move(move, path, sent, tag)
+
+
+class SourceDiesAfterExport(ElasticGeneration):
+    round_class = SourceDiesAfterExportRound
 
 
 @pytest.mark.slow  # a worker killed and restarted: ~15 s
