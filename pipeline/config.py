@@ -25,6 +25,7 @@ from rlhfless.ops.engine.registry import check_engine
 from rlhfless.ops.engine.vllm_lora import check_vllm_lora
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
+from rlhfless.ops.rollouts.agent_http import check_agent_url, is_agent_url
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
@@ -146,7 +147,8 @@ class Config:
     env_step_timeout_s: float = 10.0  # per environment call; over it ends the episode
     step_cut_turns: bool = False  # a turn cut at max_turn_tokens goes to the environment too
     # agent episodes (ops/rollouts/agent.py): "module:function" or "tally-agent" (the embedded
-    # one, on task tally-tool), called per prompt with an OpenAI client of the worker's endpoint
+    # one, on task tally-tool), called per prompt with an OpenAI client of the worker's endpoint;
+    # or "http(s)://host:port/path", an agent service each episode is POSTed to (agent_http.py)
     agent: str = ""  # empty: no agent
     agent_timeout_s: float = 60.0  # per agent episode; over it ends the episode as an error
     agent_concurrency: int = 64  # agent episodes at once per generation worker (each shard)
@@ -395,9 +397,14 @@ class Config:
                               "'reasoning-gym:<task>', not a file; remove it")
         self.environment_routes()  # raises for a malformed [environments] entry
         check_env_prompts(self)
-        if self.agent and ":" not in self.agent and self.agent not in BUILTIN_AGENTS:
-            raise ConfigError(f"agent = {self.agent!r}: use 'module:function' or one of "
-                              f"{sorted(BUILTIN_AGENTS)}")
+        if self.agent and is_agent_url(self.agent):
+            try:
+                check_agent_url(self.agent)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        elif self.agent and ":" not in self.agent and self.agent not in BUILTIN_AGENTS:
+            raise ConfigError(f"agent = {self.agent!r}: use 'module:function', an agent "
+                              f"service's http(s):// URL or one of {sorted(BUILTIN_AGENTS)}")
         if self.agent and (self.environment or self.environments):
             raise ConfigError(f"agent = {self.agent!r} plays its own episodes: remove "
                               "environment / environments, or the agent")

@@ -8,7 +8,9 @@ name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in
 process (``agent_child.py``, one per shard, started when the previous shard ended so its
 imports are done when the episodes start; every episode on a thread of it, each under
 ``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their requests from
-the engine in batches. What the episode becomes is built from the requests as the server
+the engine in batches. ``agent = "http://host:port/path"`` (or ``https://``) is an agent
+service of the user's own instead: each episode is POSTed to it (``agent_http.py``) under
+the same limit and failure rules. What the episode becomes is built from the requests as the server
 recorded them, never from text:
 
 * a **linear conversation** (each request's prompt ids start with the previous request's
@@ -53,6 +55,7 @@ from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.protocol import GenerationBackend
 from ..engine.rows import expand_samples, rollouts_table, row_keys
 from .agent_binding import AGENT_HOSTS, endpoint_binding
+from .agent_http import check_agent_url, is_agent_url, post_episodes
 
 if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported where an agent runs
     from .agent_server import AgentEndpoint, Call
@@ -62,15 +65,18 @@ _ENDPOINT: dict[str, AgentEndpoint] = {}  # this process's endpoint per agent_ho
 
 @dataclass(frozen=True)
 class AgentParams:
-    agent: str  # "module:function"
+    agent: str  # "module:function", or an agent service's URL (agent_http.py)
     timeout_s: float = 60.0  # per episode, from its start
     concurrency: int = 64  # episodes at once in the agent process
     chat_template: str | None = None  # None: the tokenizer's
     host: str = "loopback"  # where the endpoint listens: loopback or worker (agent_binding.py)
 
     def __post_init__(self) -> None:
-        if ":" not in self.agent:
-            raise ValueError(f"agent = {self.agent!r}: use 'module:function'")
+        if is_agent_url(self.agent):
+            check_agent_url(self.agent)
+        elif ":" not in self.agent:
+            raise ValueError(f"agent = {self.agent!r}: use 'module:function' or an "
+                             "http(s):// URL")
         if self.host not in AGENT_HOSTS:
             raise ValueError(f"agent host = {self.host!r}: allowed {AGENT_HOSTS}")
         if not self.timeout_s > 0 or self.concurrency < 1:
@@ -208,15 +214,17 @@ def _plain(row: dict) -> dict:
 
 
 def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]) -> list[dict]:
-    """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from one
-    agent process; it is killed once every episode should have ended, and the process for
-    the next shard is started then."""
+    """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from the
+    agent service, or from one agent process: it is killed once every episode should have
+    ended, and the process for the next shard is started then."""
     if not episodes:
         return []
-    job = {"base_url": server.base_url, "ca_pem": server.binding.ca_pem,
-           "model": server.model_name,
-           "timeout_s": params.timeout_s, "concurrency": params.concurrency,
-           "episodes": episodes}
+    shared = {"base_url": server.base_url, "ca_pem": server.binding.ca_pem,
+              "model": server.model_name, "timeout_s": params.timeout_s}
+    if is_agent_url(params.agent):
+        return post_episodes(params.agent, shared, episodes, params.concurrency,
+                             lambda i: server.end_episode(episodes[i]["api_key"]))
+    job = shared | {"concurrency": params.concurrency, "episodes": episodes}
     waves = math.ceil(len(episodes) / params.concurrency)
     limit = params.timeout_s * waves + 30.0
     outcomes: dict[int, dict] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+from agent_service import running_service
 
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.specs import agent_params
@@ -36,9 +37,31 @@ def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
     assert {r["worker"] for r in rows} <= {"gen-0", "gen-1"}
 
 
+def test_an_agent_service_over_http_trains_the_tool_task(tiny_model_dir, tmp_path):
+    """The tool task's agent as a service in another process (``tests/agent_service.py``):
+    each episode POSTed to it, its requests served by the worker's endpoint."""
+    with running_service() as url:
+        cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="service",
+                     agent=f"{url}/tally", iterations=2, batch_prompts=4, n_samples=2,
+                     max_new_tokens=8, heldout_prompts=4, eval_every=2, checkpoint_every=100,
+                     gen_workers=1, train_threads=1, agent_timeout_s=30)
+        run = train(cfg, progress=False, log=lambda *_: None)
+    iterations = [m for m in run.metrics() if m.get("event") == "iteration"]
+    assert [(m["iteration"], m["policy_version"]) for m in iterations] == [(1, 0), (2, 1)]
+    assert all(m["episodes"] == 8 and m["env_errors"] == 0 and m["env_calls"] >= 8
+               and m["tokens"] > 0 for m in iterations)
+    rows = pq.read_table(run.path / "rollouts" / "iter-00002.parquet").to_pylist()
+    assert len(rows) >= 8 and all(r["policy_version"] == 1 and r["response_ids"]
+                                  for r in rows)
+
+
 def test_agent_config_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="agent = 'nope'"):
         Config(agent="nope")
+    with pytest.raises(ConfigError, match="'https://:8000/x': an agent service is an http"):
+        Config(agent="https://:8000/x")
+    assert agent_params(Config(agent="https://agents.example:8443/run")).agent \
+        == "https://agents.example:8443/run"
     with pytest.raises(ConfigError, match="plays its own episodes"):
         Config(agent="openai_agents:two_turns", environment="python")
     with pytest.raises(ConfigError, match="agent_timeout_s"):
