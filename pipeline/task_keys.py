@@ -8,7 +8,7 @@ numbers are the iteration, the shard and the part of a shard's tail (a move's in
 ``tag`` (words) marks a side graph such as the held-out evaluation, whose keys belong to no
 iteration. ``dask.utils.key_split`` of an untagged key is its stage, so Dask's dashboard
 groups the tasks by stage; ``stage_of`` and ``iteration_of`` read them back (stage timings,
-the rendered graph, the emulated runtime's accounting, the async runner's task stream).
+the rendered graph, the async runner's task stream).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 ITERATION_STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
 TAIL_STAGES = ("resume", "continue", "export", "take", "adopt")  # a paused tail's tasks
-EMULATED_STAGES = ("generate", "resume", "continue", "update")  # the emulated backend's work
 # one colour per iteration stage, shared by the rendered graph and the report's plots
 STAGE_COLOURS = dict(zip(ITERATION_STAGES, ("#8dd3c7", "#ffffb3", "#fb8072", "#80b1d3",
                                             "#fdb462", "#b3de69", "#bc80bd")))

@@ -27,7 +27,7 @@ def observe_iteration(scaling: ScalingPolicy, table: pa.Table,
     """Feed the scheduling policy what an iteration measured: the response lengths of its
     rows ``table`` (and their ``env_seconds`` where episodes ran, multi-turn or agents) and,
     with an elastic pool, its ``timings`` (``ElasticGeneration.after_update``). The one place
-    each driver (``ModeRunner``, ``run_emulated``) calls, once per iteration; returns the
+    the driver (``ModeRunner``) calls, once per iteration; returns the
     predictor's error on the lengths (predicted before it saw them) as ``len_pred_*``
     (``len_pred_*_env``: on the seconds outside the model)."""
     ids = table.column("prompt_id").to_pylist()
