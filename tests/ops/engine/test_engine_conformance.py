@@ -23,6 +23,7 @@ from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.ops.engine.publish import publish_weights
 from rlhfless.ops.engine.registry import (
     ENGINES,
+    engine_class,
     engine_names,
     make_engine,
     register_engine,
@@ -39,7 +40,11 @@ LOGPROB_ATOL = 1e-4
 
 
 def _engine_params():
+    """Every registered engine that runs a model; the emulated one, which only keeps a
+    profile's time, has its own protocol tests (tests/pipeline/tasks/test_emulated_engine.py)."""
     for name in engine_names():
+        if not engine_class(name).computes:
+            continue
         marks = [pytest.mark.slow] if name == "vllm" else []
         yield pytest.param(name, marks=marks, id=name)
 
