@@ -1,10 +1,11 @@
 """An agent service over HTTP, for the tests of ``agent = "http://..."`` (agent_http.py).
 
-``python agent_service.py`` serves on a free loopback port, which it prints as its first
-line, until it is killed (``running_service`` starts it so for a test). Each POST is one
-episode (``{"row", "base_url", "api_key", "model", "ca_pem", "timeout_s"}``), played with
-the real ``openai`` client against the run's endpoint as a user's own service would, and
-answered with its reward. The path picks the agent:
+``python agent_service.py [CERT KEY]`` serves on a free loopback port, which it prints as its
+first line, until it is killed (``running_service`` starts it so for a test); over HTTPS with
+the PEM files ``CERT`` and ``KEY`` when given (``self_signed`` makes a pair for 127.0.0.1).
+Each POST is one episode (``{"row", "base_url", "api_key", "model", "ca_pem",
+"timeout_s"}``), played with the real ``openai`` client against the run's endpoint as a
+user's own service would, and answered with its reward. The path picks the agent:
 
     /tally       the tool task's agent (``tally_agent``)
     /two-turns   ``openai_agents.two_turns``: two requests of one conversation
@@ -16,13 +17,17 @@ answered with its reward. The path picks the agent:
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import openai
@@ -65,13 +70,43 @@ class Episode(BaseHTTPRequestHandler):
         """Quiet: the test reads the run's records, not the service's log."""
 
 
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A key and a self-signed certificate for the address 127.0.0.1, as PEM files (the
+    certificate is its own authority)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agent service")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "service.pem", directory / "service.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
 @contextlib.contextmanager
-def running_service() -> Iterator[str]:
-    """This service in a process of its own while the block runs: its base URL."""
+def running_service(tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+    """This service in a process of its own while the block runs, over HTTPS with ``tls``
+    (certificate and key files) when given: its base URL."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, __file__, *map(str, tls or ())],
+                            stdout=subprocess.PIPE, env=env)
     try:
-        yield f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        port = int(proc.stdout.readline())
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         proc.kill()
         proc.wait()
@@ -81,6 +116,10 @@ def running_service() -> Iterator[str]:
 if __name__ == "__main__":
     server = ThreadingHTTPServer(("127.0.0.1", 0), Episode)
     server.daemon_threads = True
+    if len(sys.argv) == 3:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(sys.argv[1], sys.argv[2])
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     print(server.server_address[1], flush=True)
     sys.stdout.close()
     server.serve_forever()

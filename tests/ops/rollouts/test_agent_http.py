@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from agent_service import running_service
+from agent_service import running_service, self_signed
 
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
@@ -64,6 +64,20 @@ def test_a_service_that_is_not_there_ends_its_episodes_as_errors(engine, make_pr
     assert stats.env_errors == 2
     assert all("ConnectError" in r["env_error"] and url in r["env_error"]
                for r in table.to_pylist())
+
+
+def test_an_https_service_is_verified_against_the_authorities_the_worker_trusts(
+        engine, make_prompts, tmp_path, monkeypatch):
+    """A service whose certificate no system authority signed: refused; trusted through
+    OpenSSL's ``SSL_CERT_FILE`` in the worker's environment: its episodes run."""
+    cert, key = self_signed(tmp_path)
+    with running_service((cert, key)) as url:
+        table, stats = _episodes(engine, make_prompts(TEXTS[:1]), f"{url}/two-turns")
+        assert stats.env_errors == 2
+        assert all("CERTIFICATE_VERIFY_FAILED" in r["env_error"] for r in table.to_pylist())
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        table, stats = _episodes(engine, make_prompts(TEXTS[:1]), f"{url}/two-turns")
+    assert stats.env_errors == 0 and set(table.column("turns").to_pylist()) == {2}
 
 
 @pytest.mark.parametrize("agent, said", [
