@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,16 +35,10 @@ from pathlib import Path
 from rlhfless.schedulers.dask.plugin import task_records
 
 from ..task_keys import parse_key
+from .trace_events import DRIVER, US, driver_span, meta, pid_of, read_trace
 
 MAX_TASKS = 5000  # per iteration's chunk; a tiny run's iteration runs tens
-US = 1e6  # the format's clock is microseconds
-DRIVER = "driver"
 TRAINER_STAGES = ("update", "publish")  # tasks at the trainer's version, not the rows'
-
-
-def pid_of(name: str) -> int:
-    """A track's process id: the same for a name in every chunk, resumed runs included."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
 class TaskStream:
@@ -162,27 +155,10 @@ class RunTrace:
             f.write("\n]\n")
 
 
-def driver_span(name: str, t0: float, t1: float, **args) -> dict:
-    return {"name": name, "cat": DRIVER, "ph": "X", "pid": pid_of(DRIVER), "tid": 0,
-            "ts": t0 * US, "dur": (t1 - t0) * US, "args": args}
-
-
-def meta(name: str) -> dict:
-    """The event that names a process track."""
-    return {"name": "process_name", "ph": "M", "pid": pid_of(name), "tid": 0,
-            "args": {"name": name}}
-
-
 def iteration_args(record: dict) -> dict:
     keys = ("iteration", "policy_version", "generated_by", "bound", "samples",
             "tokens", "prefill_tokens", "decode_tokens", "gen_busy_share", "train_busy_share")
     return {k: record[k] for k in keys if k in record}
-
-
-def read_trace(path: str | Path) -> list[dict]:
-    """The events of a trace file, closed or not (a run still writing it)."""
-    text = Path(path).read_text().rstrip()
-    return json.loads(text if text.endswith("]") else text + "]")
 
 
 def select(events: list[dict], first: int, last: int) -> list[dict]:

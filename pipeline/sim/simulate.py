@@ -71,7 +71,8 @@ from rlhfless.schedulers.sim.workloads import (
 )
 
 from ..config import load_config
-from .report import write_report
+from .report import OURS, write_report
+from .trace import write_sim_trace
 
 PAPER = {  # RLHFless headline figures vs verl (papers.md section 1.7)
     "paper-physical": {"speedup": 1.35, "reduction": 0.448},
@@ -300,7 +301,7 @@ def run_scenario(sc: Scenario, sweeps: bool = True) -> dict[str, Any]:
     """Both verl baselines, every other baseline, ablation and sweep of ``sc`` on one trace;
     JSON-able rows plus the ``SimResult``s of the baselines and ours (for plots)."""
     trace = synthetic_trace(sc.workload)
-    ours = sc.policy.replace(name="rlhfless (ours)")
+    ours = sc.policy.replace(name=OURS)
     results = baselines(trace, sc)
     done: dict[tuple, SimResult] = {}  # one simulation per distinct configuration
     for p in (ours, RLHFUSE, ORACLE.replace(**{k: v for k, v in sc.policy.to_record().items()
@@ -400,6 +401,9 @@ def main_simulate(scenarios: list[str], out: str, iterations: int | None = None,
             print(f"## plan: {sc.name}\n\n{plan_table(result)}\n")
         return 0
     reports = [run_scenario(sc, sweeps=not quick) for sc in scs]
+    for report in reports:  # our policy's run, in a real run's trace format
+        name = report["scenario"]["name"]
+        write_sim_trace(out_dir / f"trace-{name}.json", report["results"][OURS])
     pats = [run_pat(sc) for sc in pat_scs]
     modes = [run_modes(sc) for sc in mode_scs]
     text = write_report(reports, out_dir, plots=plots, pat=pats, modes=modes)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlhfless.pipeline.cli import main
+from rlhfless.pipeline.report.trace_events import read_trace
 from rlhfless.pipeline.sim.simulate import ScenarioError, load_scenario
 
 SCENARIO = """
@@ -35,6 +36,8 @@ def test_simulate_writes_report_and_prints_headline(tmp_path, capsys):
     assert [r["scenario"]["name"] for r in results] == ["paper-physical", "paper-simulated"]
     for r in results:
         check_headline(r, text)
+        trace = read_trace(out / f"trace-{r['scenario']['name']}.json")  # our policy's run
+        assert sum(e["name"] == "iteration" for e in trace) == 2
     pats = json.loads((out / "pat.json").read_text())
     assert "vs fastest static TP" in report
     assert all(r["gen_change_vs_fastest"] == pytest.approx(
