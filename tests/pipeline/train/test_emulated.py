@@ -14,6 +14,7 @@ from test_kv_elastic import every_paused_tail_moves
 
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import make_config
+from rlhfless.pipeline.report.trace_events import read_trace
 from rlhfless.pipeline.train.emulation import (
     QUIET_WORKER_CONFIG,
     EmulatedDeployment,
@@ -82,6 +83,11 @@ def test_a_static_run_takes_the_profiles_time_through_the_one_driver(tmp_path):
         # both workers billed through the iteration, in emulated seconds
         assert rec["gen_worker_s"] == pytest.approx(2 * rec["train_worker_s"], rel=0.01)
     assert (run.path / "checkpoints").is_dir()
+    # the run's trace, as any run's: each generate task a span on a generation worker
+    events = read_trace(run.path / "trace.json")
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    generated = [tracks[e["pid"]] for e in events if e["ph"] == "X" and e["name"] == "generate"]
+    assert len(generated) >= ITERATIONS and all(t.startswith("gen-") for t in generated)
 
 
 def always_moving(policy: ScalingPolicy) -> ScalingPolicy:
