@@ -101,8 +101,9 @@ class Turn:
     """One episode's next turn for ``decode_turns``: the conversation so far as token ids
     (prompt, every turn sampled and every observation appended, in order), the tokens it may
     generate, its sampling key, and the engine's state kept from the episode's previous
-    turn (``cache``: None at the first; the engine sets it, and runs only the ids it has
-    not seen)."""
+    turn or request (``cache``: None at the first; the engine sets it, and runs only the ids
+    it has not seen: a context that departs from what it kept, such as an agent's history
+    rendered again, runs from where it departs)."""
 
     context: list[int]
     budget: int
