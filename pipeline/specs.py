@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pa_compute
 from transformers import AutoTokenizer
 
 from rlhfless.ops.algo.update import UpdateParams
@@ -206,7 +206,7 @@ def split_heldout(table: pa.Table, n: int) -> tuple[pa.Table, pa.Table]:
         ids[i].encode(), key=HELDOUT_SALT, digest_size=8).digest())
     held = set(rank[:n])
     mask = pa.array([i in held for i in range(len(ids))], pa.bool_())
-    return table.filter(pc.invert(mask)), table.filter(mask)
+    return table.filter(pa_compute.invert(mask)), table.filter(mask)
 
 
 def task_prompts(cfg: Config, model_path: Path, split: str) -> Path | pa.Table:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pa_compute
 import pyarrow.parquet as pq
 
 from ..durable.runs import RunDir
@@ -50,7 +50,7 @@ class RunData:
                 raise ValueError(f"{f}: cannot read as Parquet ({' '.join(str(err).split())}); "
                                  "restore it from a copy, or move it away to report without "
                                  "that iteration's lengths") from None
-            data.lengths[int(f.stem.split("-")[1])] = pc.list_value_length(column).to_numpy(
+            data.lengths[int(f.stem.split("-")[1])] = pa_compute.list_value_length(column).to_numpy(
                 zero_copy_only=False)
         return data
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pa_compute
 import zarr
 
 from rlhfless.ops.data.schema import ROLLOUTS
@@ -83,7 +83,7 @@ def _sleep_until(started: float, emulated_s: float, scale: float) -> float:
 
 def _lengths(column) -> np.ndarray:
     """Lengths of a list column's rows (no Python lists built)."""
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pa_compute.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _tokens(counts: np.ndarray, values: pa.DataType) -> pa.ListArray:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pa_compute
 import pyarrow.parquet as pq
 
 from rlhfless.ops.data.records import in_memory_table
@@ -150,7 +150,7 @@ def check_routes(cfg: Config, prompts: dict) -> None:
     if not cfg.environments or cfg.episode_environment:
         return
     for name, table in prompts.items():
-        for source in pc.unique(table.column("data_source")).to_pylist():
+        for source in pa_compute.unique(table.column("data_source")).to_pylist():
             if source not in cfg.environments:
                 raise ConfigError(f"{name}: data_source {source!r} has no environment; add it "
                                   f"to [environments] ({', '.join(sorted(cfg.environments))} "
@@ -188,7 +188,7 @@ def check_context(cfg: Config, model_path: Path, prompts: dict) -> None:
     after, key = ((cfg.max_episode_tokens, "max_episode_tokens") if cfg.multi_turn
                   else (cfg.max_new_tokens, "max_new_tokens"))
     for name, table in prompts.items():
-        lengths = pc.list_value_length(table.column("prompt_ids")).to_pylist()
+        lengths = pa_compute.list_value_length(table.column("prompt_ids")).to_pylist()
         if not lengths:
             continue
         worst = max(range(len(lengths)), key=lengths.__getitem__)
