@@ -2,12 +2,12 @@
 
 The training loop uses one ``Durable`` per run:
 
-    iteration, weights = durable.start(sampler, state, weights, ledger)  # fresh or resumed
+    iteration, weights = durable.start(sampler, scaling, weights, ledger)  # fresh or resumed
     while iteration < cfg.iterations:
         try:    run iteration + 1; durable.check_trainer()
-        except: iteration, weights = durable.recover(err, sampler, state)   # or re-raised
+        except: iteration, weights = durable.recover(err, sampler, scaling)   # or re-raised
         ...records...
-        iteration, weights = durable.after_iteration(iteration, weights, sampler, state, ledger)
+        iteration, weights = durable.after_iteration(iteration, weights, sampler, scaling, ledger)
 
 * ``start`` of a fresh run seeds the trainer and commits checkpoint 0, so there is always a
   state to go back to; with ``resume`` it restores the newest whole checkpoint instead.
@@ -289,7 +289,7 @@ class Durable:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-             state: ScalingPolicy, ledger: CostLedger) -> Path:
+             scaling: ScalingPolicy, ledger: CostLedger) -> Path:
         started = time.perf_counter()
         tmp = ckpt.begin(self.root, iteration)
         parts = self._each_rank(save_trainer_task, self.spec, str(tmp), self.token)
@@ -302,7 +302,7 @@ class Durable:
         totals = {k: now.get(k, 0.0) + self.totals_before.get(k, 0.0) for k in now}
         ckpt.write_driver(tmp, ckpt.DriverState(
             iteration=iteration, policy_version=weights.version,
-            sampler_position=sampler.position, **state.state_dict(),
+            sampler_position=sampler.position, **scaling.state_dict(),
             ledger_totals=totals, model_path=self.model_path, data_digest=self.digest,
             finite=all(p["finite"] for p in parts), tables=self.collect_tables()))
         path = ckpt.commit(tmp)
@@ -313,7 +313,7 @@ class Durable:
                                  "checkpoint_s": time.perf_counter() - started})
         return path
 
-    def restore(self, path: Path, sampler: PromptSampler, state: ScalingPolicy,
+    def restore(self, path: Path, sampler: PromptSampler, scaling: ScalingPolicy,
                 drop_eval_at: bool) -> tuple[int, WeightsRef]:
         """Put the run back to the checkpoint at ``path``; returns (iteration, weights)."""
         driver = ckpt.read_driver(path)
@@ -330,13 +330,13 @@ class Durable:
                 published.unlink()
         weights = self._on_trainer(publish_task, {}, self.spec, version)
         sampler.position = driver.sampler_position
-        state.load_state_dict({"predictor": driver.predictor, "throughput": driver.throughput,
+        scaling.load_state_dict({"predictor": driver.predictor, "throughput": driver.throughput,
                                "update_seconds": driver.update_seconds, "kv": driver.kv})
         self.restored_tables = driver.tables
         trim_run(self.run, driver.iteration, drop_eval_at)
         return driver.iteration, weights
 
-    def start(self, sampler: PromptSampler, state: ScalingPolicy, weights: WeightsRef,
+    def start(self, sampler: PromptSampler, scaling: ScalingPolicy, weights: WeightsRef,
               ledger: CostLedger, resume: bool = False) -> tuple[int, WeightsRef]:
         """A fresh run: seed the trainer and commit checkpoint 0. ``resume``: restore the
         newest whole checkpoint. Returns (iteration done, weights)."""
@@ -344,19 +344,19 @@ class Durable:
             if self.spec.world > 1:
                 self._form_group()
             self._each_rank(start_trainer_task, self.spec, self.cfg.seed, self.token)
-            self.save(0, weights, sampler, state, ledger)
+            self.save(0, weights, sampler, scaling, ledger)
             return 0, weights
         path, skipped = _newest_whole(self.root)
         self._say_skipped(skipped, path)
         self.totals_before = dict(ckpt.read_driver(path, restore_rng=False).ledger_totals)
-        iteration, weights = self.restore(path, sampler, state, drop_eval_at=True)
+        iteration, weights = self.restore(path, sampler, scaling, drop_eval_at=True)
         self.run.append_metrics({"event": "resume", "iteration": iteration,
                                  "policy_version": weights.version, "path": str(path),
                                  "skipped": skipped})
         return iteration, weights
 
     def after_iteration(self, iteration: int, weights: WeightsRef, sampler: PromptSampler,
-                        state: ScalingPolicy, ledger: CostLedger,
+                        scaling: ScalingPolicy, ledger: CostLedger,
                         last: bool = False) -> tuple[int, WeightsRef]:
         """Commit a checkpoint when one is due (always after the ``last`` iteration the run
         makes); if the trainer died meanwhile, recover."""
@@ -364,13 +364,13 @@ class Durable:
                 and not last):
             return iteration, weights
         try:
-            self.save(iteration, weights, sampler, state, ledger)
+            self.save(iteration, weights, sampler, scaling, ledger)
         except Exception as err:
-            return self.recover(err, sampler, state)
+            return self.recover(err, sampler, scaling)
         return iteration, weights
 
     def recover(self, err: Exception, sampler: PromptSampler,
-                state: ScalingPolicy) -> tuple[int, WeightsRef]:
+                scaling: ScalingPolicy) -> tuple[int, WeightsRef]:
         """Re-raise ``err`` unless the trainer was lost; if it was, go back to the newest whole
         checkpoint. Returns (iteration restored, weights)."""
         if not isinstance(err, TrainerLost):
@@ -392,7 +392,7 @@ class Durable:
                                f"{self.root} ({'; '.join(skipped)})") from err
         self._say_skipped(skipped, path)
         self._wait_forgotten(ckpt.iteration_of(path) + 1)
-        iteration, weights = self.restore(path, sampler, state, drop_eval_at=False)
+        iteration, weights = self.restore(path, sampler, scaling, drop_eval_at=False)
         self.run.append_metrics({"event": "recover", "iteration": iteration,
                                  "policy_version": weights.version, "path": str(path),
                                  "error": error, "skipped": skipped,
@@ -400,7 +400,7 @@ class Durable:
         return iteration, weights
 
     def rollback(self, at_most: int, sampler: PromptSampler,
-                 state: ScalingPolicy) -> tuple[int, WeightsRef]:
+                 scaling: ScalingPolicy) -> tuple[int, WeightsRef]:
         """Go back to the newest whole checkpoint of iteration ``at_most`` or earlier (the
         collapse guard's good state) and remove the newer ones, so that neither a recovery
         nor a resume returns to the fallen state. Returns (iteration restored, weights)."""
@@ -414,7 +414,7 @@ class Durable:
                 newer.rename(newer.with_name(f".old-{newer.name}"))  # whole or gone, then
         ckpt.prune(self.root, self.cfg.keep_checkpoints, self.anchors)  # removed
         self._wait_forgotten(ckpt.iteration_of(path) + 1)
-        return self.restore(path, sampler, state, drop_eval_at=False)
+        return self.restore(path, sampler, scaling, drop_eval_at=False)
 
     def _say_skipped(self, skipped: list[str], used: Path) -> None:
         """One line for every newer checkpoint passed over, and why."""
