@@ -19,6 +19,7 @@ of the iteration (None when nothing but the lengths); ``log`` writes ``decisions
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ class Generating:
     shards: list = field(default_factory=list)
 
 
-class Generation:
+class Generation(ABC):
     """What both sides share: the cluster, the config, the policy and the decisions log."""
 
     #: whether batches ahead are started before the update is submitted (see above)
@@ -70,10 +71,10 @@ class Generation:
         for change in self.pc.client.run_on_scheduler(drain_target_changes):
             self.log(iteration_of(change.pop("key")) or iteration, **change)
 
+    @abstractmethod
     def generate(self, batch: pa.Table, weights: WeightsRef, iteration: int, target: int,
                  specs, seed: int) -> Generating:
         """Batch ``iteration``'s trainable rows from ``weights``, for trainer ``v{target}``."""
-        raise NotImplementedError
 
     def after_update(self, update_seconds: float,
                      shards: list[GenerationStats]) -> IterationTimings | None:
