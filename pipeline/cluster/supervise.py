@@ -23,10 +23,13 @@
   that keeps beating is never stopped, however much longer than predicted it takes. The
   trainer's tasks do not beat yet (a model load or a checkpoint may take minutes without a
   decode step), so they are not watched. A worker whose heartbeats stopped (a SIGSTOP
-  stops them with everything else) is restarted the same way once its silence passes the
-  deadline of the decoding task it was given, or ``min_stall_s`` whatever it holds (a
-  stopped worker holding finished results would hold up the driver as surely), well
-  before Dask's own worker TTL of minutes.
+  stops them with everything else; so does a host whose link is cut) is removed from the
+  scheduler once its silence passes the deadline of the decoding task it was given, or
+  ``min_stall_s`` whatever it holds (a silent worker holding finished results would hold
+  up the driver as surely), well before Dask's own worker TTL of minutes: its tasks and
+  results are computed again elsewhere at once, and its nanny is then told to kill and
+  restart it (a stopped process comes back; the nanny of a host cut off cannot be
+  reached, and waiting ``RESTART_WAIT_S`` for it held the iteration that much longer).
 * ``WorkerHooks`` (worker plugin, on every worker, restarted ones too): the beat metric, and
   Dask's "Compute Failed" log block silenced: every failed task reaches the driver, which
   either recovers from it or ends the run in one line (``cli.py``; ``--debug`` shows the
@@ -41,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from distributed.core import rpc
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.metrics import time  # the clock of the scheduler's last_seen
 from tornado.ioloop import PeriodicCallback
@@ -125,7 +129,7 @@ class StallWatch(SchedulerPlugin):
             "time": now, "worker": str(ws.name), "key": str(ts.key) if ts else "",
             "no_progress_s": silent, "deadline_s": deadline, "no_heartbeat": True,
             "predicted_s": max(ts.prefix.duration_average, 0.0) if ts else 0.0})
-        asyncio.ensure_future(self.restart(address))
+        asyncio.ensure_future(self.remove_silent(address, ws.nanny))
 
     async def restart(self, address: str) -> None:
         """Kill the worker through its nanny, which starts it again (no nanny: removed)."""
@@ -133,6 +137,19 @@ class StallWatch(SchedulerPlugin):
             await self.scheduler.restart_workers(
                 [address], timeout=RESTART_WAIT_S, wait_for_workers=False,
                 on_error="return", stimulus_id=f"stalled-{time()}")
+        finally:
+            self.restarting.discard(address)
+
+    async def remove_silent(self, address: str, nanny: str | None) -> None:
+        """Remove a silent worker now (its tasks run again elsewhere), then have its nanny,
+        if it answers within ``RESTART_WAIT_S``, kill the process, which it restarts."""
+        try:
+            await self.scheduler.remove_worker(address, stimulus_id=f"silent-{time()}")
+            if nanny is not None:
+                async with rpc(nanny, connection_args=self.scheduler.connection_args) as n:
+                    await asyncio.wait_for(n.kill(reason="silent"), RESTART_WAIT_S)
+        except (OSError, asyncio.TimeoutError):
+            pass  # unreachable (a host cut off): it is out of the cluster all the same
         finally:
             self.restarting.discard(address)
 

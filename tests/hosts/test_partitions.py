@@ -1,0 +1,157 @@
+"""A run whose workers are hosts of their own, with the faults a network makes.
+
+The driver (and its scheduler) is this machine's namespace; the trainer and three generation
+workers are hosts of a ``Network`` (``netns_hosts.py``), started as batch jobs start them on
+other nodes (``hosts_deploy.py``), over TLS with the run's credentials. One static run of
+four iterations takes three faults, each struck mid-decode of a generation task
+(``host_faults.py``), and what should happen is written first:
+
+* iteration 2, gen-1's link cut for ``BLIP_S`` (less than the deadline ``min_stall_s``) and
+  restored: absorbed. No worker is declared lost, nothing is restarted or run again, and
+  gen-1 is billed as one lifetime to the end of the run.
+* iteration 3, gen-0's link cut for good: gen-0 is declared lost once its silence passes the
+  deadline the run's config sets (``min_stall_s``; ``stall_timeout_factor`` x a task's
+  predicted duration on top for a decoding task), not Dask's worker TTL of minutes; its
+  rows are generated again on the other hosts; the ledger bills gen-0 only until it was
+  declared lost.
+* iteration 4, gen-2's host killed (every process at once): its connections close, it is
+  declared lost at once and its rows are generated again on gen-1.
+
+Every iteration 1-4 is recorded once, and in each every (prompt, sample) is used exactly
+once. No namespace, link or process is left (the ``network`` fixture checks).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from distributed.client import _get_global_client
+from host_faults import HostFault, read_strikes
+from hosts_deploy import deploy_on_hosts
+
+from rlhfless.pipeline.config import Config
+from rlhfless.pipeline.train.loop import train
+
+ITERATIONS, PROMPTS, SAMPLES = 4, 4, 4
+MIN_STALL_S, STALL_FACTOR, BLIP_S = 6.0, 2.0, 2.0
+SLACK_S = 3.0  # the stall watch's check period, heartbeats and this machine's lag
+HOSTS = ("train-0", "gen-0", "gen-1", "gen-2")
+
+
+def start_run(cfg: Config) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["run"] = train(cfg, progress=False, log=lambda *_: None)
+        except BaseException as err:  # handed to the test
+            out["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def run_client(thread: threading.Thread, out: dict):
+    """The run's client, once every host's worker has connected."""
+    def ready():
+        if not thread.is_alive():
+            raise AssertionError(f"the run ended before its workers connected: {out}")
+        client = _get_global_client()
+        if client is None or client.status != "running":
+            return None
+        names = {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        return client if set(HOSTS) <= names else None
+    return wait_for(ready, 180, "every host's worker")
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def lifetimes(run: Path, name: str) -> list[dict]:
+    ledger = json.loads((run / "ledger.json").read_text())["records"]
+    return [r for r in ledger if r["kind"] == "worker" and r["name"] == name]
+
+
+@pytest.mark.slow
+def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
+        network, tiny_model_dir, tmp_path, monkeypatch):
+    placement = {name: network.add_host(name) for name in HOSTS}
+    deploy_on_hosts(monkeypatch, network, placement, tmp_path / "hosts")
+    cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path / "runs"), name="hosts",
+                 iterations=ITERATIONS, batch_prompts=PROMPTS, n_samples=SAMPLES,
+                 max_new_tokens=16, heldout_prompts=4, eval_every=100, gen_workers=3,
+                 train_threads=1, checkpoint_every=100, min_stall_s=MIN_STALL_S,
+                 stall_timeout_factor=STALL_FACTOR, scheduler_host=network.driver_address)
+    strikes = tmp_path / "strikes.jsonl"
+    started = time.time()
+    thread, out = start_run(cfg)
+    client = run_client(thread, out)
+    hosts_up = time.time()
+    for worker, prefix, action in (("gen-1", "generate-2-", "blip"),
+                                   ("gen-0", "generate-3-", "cut"),
+                                   ("gen-2", "generate-4-", "kill")):
+        host = placement[worker]
+        client.register_plugin(HostFault(worker, prefix, action, strikes,
+                                         network.cut_command(host),
+                                         network.restore_command(host), BLIP_S))
+    thread.join(timeout=240)
+    assert not thread.is_alive(), "the run did not finish"
+    if "error" in out:
+        raise out["error"]
+    run, ended = out["run"].path, time.time()
+    blip, cut, kill = read_strikes(strikes)
+    assert [(s["worker"], s["action"], s["decoding"]) for s in (blip, cut, kill)] == [
+        ("gen-1", "blip", True), ("gen-0", "cut", True), ("gen-2", "kill", True)]
+    metrics = records(run)
+    iterations = {m["iteration"]: m for m in metrics if m["event"] == "iteration"}
+    assert [m["iteration"] for m in metrics if m["event"] == "iteration"] == list(
+        range(1, ITERATIONS + 1))  # none lost, none repeated
+    makers = {}
+    for it in range(1, ITERATIONS + 1):
+        rows = pq.read_table(run / f"rollouts/iter-{it:05d}.parquet",
+                             columns=["prompt_id", "sample_idx", "worker"])
+        pairs = Counter(zip(rows.column("prompt_id").to_pylist(),
+                            rows.column("sample_idx").to_pylist()))
+        assert len(pairs) == PROMPTS * SAMPLES and set(pairs.values()) == {1}, (it, pairs)
+        makers[it] = set(rows.column("worker").to_pylist())
+    # the blip: absorbed. gen-1 delivered its own rows, was never declared lost, and is
+    # billed as one lifetime to the end of the run
+    assert "gen-1" in makers[2]
+    (stall,) = [m for m in metrics if m["event"] == "stall"]  # gen-0's, none for gen-1
+    (gen1,) = lifetimes(run, "gen-1")
+    assert gen1["t_end"] > iterations[ITERATIONS]["time"]
+    # the cut: gen-0 declared lost at its deadline from the config, its rows generated
+    # again by the others, billed until it was declared lost
+    assert (stall["worker"], stall["key"], stall["no_heartbeat"]) == ("gen-0", cut["key"], True)
+    assert stall["deadline_s"] == pytest.approx(STALL_FACTOR * stall["predicted_s"] + MIN_STALL_S)
+    assert stall["time"] - cut["time"] < stall["deadline_s"] + SLACK_S
+    assert "gen-0" not in makers[3] and makers[3] <= {"gen-1", "gen-2"}
+    assert iterations[3]["time"] - cut["time"] < stall["deadline_s"] + 2 * SLACK_S
+    (gen0,) = lifetimes(run, "gen-0")
+    assert abs(gen0["t_end"] - stall["time"]) < SLACK_S
+    # the killed host: declared lost at once, its rows generated again on gen-1
+    (gen2,) = lifetimes(run, "gen-2")
+    assert 0 <= gen2["t_end"] - kill["time"] < SLACK_S
+    assert makers[4] == {"gen-1"}
+    print(f"hosts up in {hosts_up - started:.1f} s, the run ended {ended - hosts_up:.1f} s "
+          f"later; gen-0 declared lost {stall['time'] - cut['time']:.1f} s after its cut "
+          f"(deadline {stall['deadline_s']:.1f} s), iteration 3 ended "
+          f"{iterations[3]['time'] - cut['time']:.1f} s after it; gen-2 lost "
+          f"{gen2['t_end'] - kill['time']:.2f} s after its kill")
