@@ -1,9 +1,10 @@
-"""Faults struck from inside a generation worker, at a chosen point of one of its tasks.
+"""Faults struck from inside a worker, at a chosen point of one of its tasks.
 
 ``HostFault`` is a Dask ``WorkerPlugin`` registered on every worker; on the one it names,
 when a task whose key starts with ``prefix`` starts executing, it waits for that task's first
 decode step (the worker's progress beats advance: ``ops/engine/progress.py``), so that the
-fault lands mid-decode, and then:
+fault lands mid-decode (``mid_decode = False``: at once, for a task that does not decode,
+such as the trainer's update), and then:
 
 * ``"cut"``: runs the network's cut command for its host (``Network.cut_command``, the
   bridge port set down: packets dropped, no connection closed) and leaves it cut;
@@ -38,11 +39,13 @@ class HostFault(WorkerPlugin):
     """See the module docstring; ``name`` makes one plugin per (worker, prefix)."""
 
     def __init__(self, worker: str, prefix: str, action: str, record: Path,
-                 cut: list[str] = (), restore: list[str] = (), seconds: float = 0.0) -> None:
+                 cut: list[str] = (), restore: list[str] = (), seconds: float = 0.0,
+                 mid_decode: bool = True) -> None:
         if action not in ACTIONS:
             raise ValueError(f"fault {action!r}: choose one of {ACTIONS}")
         self.worker_name, self.prefix, self.action = worker, prefix, action
         self.record, self.cut, self.restore, self.seconds = record, cut, restore, seconds
+        self.mid_decode = mid_decode
         self.name = f"host-fault-{worker}-{prefix}"
 
     def setup(self, worker) -> None:
@@ -54,7 +57,7 @@ class HostFault(WorkerPlugin):
             threading.Thread(target=self._strike, args=(str(key), beats()), daemon=True).start()
 
     def _strike(self, key: str, beats_before: int) -> None:
-        give_up = time.monotonic() + DECODE_WAIT_S
+        give_up = time.monotonic() + (DECODE_WAIT_S if self.mid_decode else 0.0)
         while beats() == beats_before and time.monotonic() < give_up:
             time.sleep(0.001)
         line = {"time": time.time(), "worker": self.worker_name, "key": key,

@@ -3,12 +3,14 @@
 The driver (and its scheduler) is this machine's namespace; the trainer and three generation
 workers are hosts of a ``Network`` (``netns_hosts.py``), started as batch jobs start them on
 other nodes (``hosts_deploy.py``), over TLS with the run's credentials. One static run of
-four iterations takes three faults, each struck mid-decode of a generation task
-(``host_faults.py``), and what should happen is written first:
+four iterations takes four faults, each struck mid-decode of a generation task or as the
+trainer's update starts (``host_faults.py``), and what should happen is written first:
 
 * iteration 2, gen-1's link cut for ``BLIP_S`` (less than the deadline ``min_stall_s``) and
   restored: absorbed. No worker is declared lost, nothing is restarted or run again, and
   gen-1 is billed as one lifetime to the end of the run.
+* iteration 2 also, the trainer's link cut for ``BLIP_S`` as its update starts: absorbed,
+  the run goes on without going back to a checkpoint.
 * iteration 3, gen-0's link cut for good: gen-0 is declared lost once its silence passes the
   deadline the run's config sets (``min_stall_s``; ``stall_timeout_factor`` x a task's
   predicted duration on top for a decoding task), not Dask's worker TTL of minutes; its
@@ -104,21 +106,25 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     thread, out = start_run(cfg)
     client = run_client(thread, out)
     hosts_up = time.time()
+    assert client.scheduler.address.startswith(f"tls://{network.driver_address}:")
     for worker, prefix, action in (("gen-1", "generate-2-", "blip"),
+                                   ("train-0", "update-2", "blip"),
                                    ("gen-0", "generate-3-", "cut"),
                                    ("gen-2", "generate-4-", "kill")):
         host = placement[worker]
         client.register_plugin(HostFault(worker, prefix, action, strikes,
                                          network.cut_command(host),
-                                         network.restore_command(host), BLIP_S))
+                                         network.restore_command(host), BLIP_S,
+                                         mid_decode=worker != "train-0"))
     thread.join(timeout=240)
     assert not thread.is_alive(), "the run did not finish"
     if "error" in out:
         raise out["error"]
     run, ended = out["run"].path, time.time()
-    blip, cut, kill = read_strikes(strikes)
-    assert [(s["worker"], s["action"], s["decoding"]) for s in (blip, cut, kill)] == [
-        ("gen-1", "blip", True), ("gen-0", "cut", True), ("gen-2", "kill", True)]
+    blip, train_blip, cut, kill = read_strikes(strikes)
+    assert [(s["worker"], s["action"]) for s in (blip, train_blip, cut, kill)] == [
+        ("gen-1", "blip"), ("train-0", "blip"), ("gen-0", "cut"), ("gen-2", "kill")]
+    assert blip["decoding"] and cut["decoding"] and kill["decoding"]  # struck mid-decode
     metrics = records(run)
     iterations = {m["iteration"]: m for m in metrics if m["event"] == "iteration"}
     assert [m["iteration"] for m in metrics if m["event"] == "iteration"] == list(
@@ -137,6 +143,9 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     (stall,) = [m for m in metrics if m["event"] == "stall"]  # gen-0's, none for gen-1
     (gen1,) = lifetimes(run, "gen-1")
     assert gen1["t_end"] > iterations[ITERATIONS]["time"]
+    # the trainer's blip during its update: absorbed too, no recovery from a checkpoint
+    assert "recover" not in {m["event"] for m in metrics}
+    assert len(lifetimes(run, "train-0")) == 1
     # the cut: gen-0 declared lost at its deadline from the config, its rows generated
     # again by the others, billed until it was declared lost
     assert (stall["worker"], stall["key"], stall["no_heartbeat"]) == ("gen-0", cut["key"], True)
