@@ -24,8 +24,8 @@ simulated clocks. Call order, per iteration:
    longer than a restart costs more than the restart);
 4. after the iteration: ``observe_iteration``, the one call per iteration that feeds the
    models what it measured (the lengths and seconds outside the model; with an elastic pool
-   the shards' decode and prefill timings, the cold starts and the seconds after
-   generation). ``observe_move`` is the one
+   the shards' decode and prefill timings and version fetches, the cold starts and the
+   seconds after generation). ``observe_move`` is the one
    observation taken during the iteration, as each move lands, so that the iteration's later
    moves are priced with it.
 
@@ -68,6 +68,7 @@ class ShardTimings(Protocol):
     decode_seconds: float
     prefill_tokens: int
     prefill_seconds: float
+    weight_fetch_s: float  # getting a newer version into the engine first (0: none needed)
     episodes: Any  # multi-turn or agent shards: ``env_wait_seconds`` decoding nothing; else None
 
 
@@ -275,6 +276,8 @@ class ScalingPolicy:
                     self.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
                 if stats.episodes is not None:  # multi-turn or agent episodes
                     self.throughput.observe_env_wait(stats.episodes.env_wait_seconds)
+                if stats.weight_fetch_s:  # a shard whose worker had the version pays none
+                    self.throughput.observe_weight_fetch(stats.weight_fetch_s)
             self.observe_cold_starts(timings.cold_starts)
         return self.observe_lengths(prompt_ids, lengths, env_seconds)
 

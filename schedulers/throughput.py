@@ -11,9 +11,10 @@ sequences?". The model answers with these quantities:
   (``env_wait_s``), an EWMA of the shards that reported it (0 before any did). The agents of
   a shard run at once, so the wait is charged once per busy worker, not per sequence: adding
   workers does not shorten it, and each one pays it.
-- each busy worker's fetch of the iteration's policy version (``weight_fetch_s``), priced
-  from the run's model size and measured rates (``weight_costs.WeightCosts``), not learned:
-  like the wait, once per busy worker, so more workers cost more fetches.
+- each busy worker's fetch of the iteration's policy version (``weight_fetch_s``): an EWMA
+  of the fetches shards measured, or before any the prior (from the run's model size and
+  measured rates: ``weight_costs.WeightCosts``); like the wait, once per busy worker, so
+  more workers cost more fetches.
 
 Under continuous batching a finished sequence leaves the batch, so at decode step ``s`` the
 live batch is the number of sequences with length >= s. Summed over steps::
@@ -84,7 +85,7 @@ class ThroughputModel:
         self.prior_slope_s = _positive("step_slope_s", step_slope_s, allow_zero=True)
         self.prior_prefill_tokens_per_s = _positive("prefill_tokens_per_s", prefill_tokens_per_s)
         self.prior_cold_start_s = _positive("cold_start_s", cold_start_s, allow_zero=True)
-        self.weight_fetch_s = _positive("weight_fetch_s", weight_fetch_s, allow_zero=True)
+        self.prior_weight_fetch_s = _positive("weight_fetch_s", weight_fetch_s, allow_zero=True)
         if max_batch is not None and (int(max_batch) != max_batch or max_batch < 1):
             raise ValueError(f"ThroughputModel: max_batch={max_batch!r}; allowed: None or int >= 1")
         if int(window) != window or window < 2:
@@ -102,6 +103,8 @@ class ThroughputModel:
         self._n_cold = 0
         self._wait: float | None = None
         self._n_wait = 0
+        self._fetch: float | None = None
+        self._n_fetch = 0
         self._refit()
 
     # ---- fitted parameters -----------------------------------------------------------------
@@ -127,6 +130,11 @@ class ThroughputModel:
     def cold_start_s(self) -> float:
         """EWMA of measured cold starts (seconds), or the prior before any was measured."""
         return self.prior_cold_start_s if self._cold is None else self._cold
+
+    @property
+    def weight_fetch_s(self) -> float:
+        """EWMA of measured version fetches (seconds), or the prior before any was measured."""
+        return self.prior_weight_fetch_s if self._fetch is None else self._fetch
 
     @property
     def env_wait_s(self) -> float:
@@ -183,6 +191,13 @@ class ThroughputModel:
         self._cold = a * s + (1.0 - a) * (self._cold or 0.0)
         self._n_cold += 1
 
+    def observe_weight_fetch(self, seconds: float) -> None:
+        """Add one measured fetch of a version into a worker's engine, in seconds."""
+        s = float(_obs("observe_weight_fetch(seconds)", seconds, 1)[0])
+        a = 1.0 if self._fetch is None else self.cold_start_alpha
+        self._fetch = a * s + (1.0 - a) * (self._fetch or 0.0)
+        self._n_fetch += 1
+
     def observe_env_wait(self, seconds: float) -> None:
         """Add one shard's seconds of waiting on its environments or agents, decoding
         nothing (``EpisodeStats.env_wait_seconds``)."""
@@ -233,6 +248,7 @@ class ThroughputModel:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "cold_start_s": self.cold_start_s,
             "weight_fetch_s": self.weight_fetch_s,
+            "n_weight_fetch_obs": self._n_fetch,
             "max_batch": self.max_batch,
             "n_decode_obs": int(self._decode.shape[0]),
             "n_prefill_obs": int(self._prefill.shape[0]),
@@ -251,6 +267,8 @@ class ThroughputModel:
             "n_cold_start_obs": self._n_cold,
             "env_wait_s": self._wait,
             "n_env_wait_obs": self._n_wait,
+            "weight_fetch_s": self._fetch,
+            "n_weight_fetch_obs": self._n_fetch,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -273,4 +291,7 @@ class ThroughputModel:
         wait = state.get("env_wait_s")  # absent in checkpoints of older runs: none seen
         self._wait = None if wait is None else float(wait)
         self._n_wait = int(state.get("n_env_wait_obs", 0 if wait is None else 1))
+        fetch = state.get("weight_fetch_s")  # absent in checkpoints of older runs: none seen
+        self._fetch = None if fetch is None else float(fetch)
+        self._n_fetch = int(state.get("n_weight_fetch_obs", 0 if fetch is None else 1))
         self._refit()

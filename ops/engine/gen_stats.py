@@ -53,6 +53,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     gen_seconds: float = 0.0  # the task's generation seconds (emulated: emulated seconds)
     cold_start_s: float = 0.0  # the engine load this task paid
+    weight_fetch_s: float = 0.0  # getting a newer policy version into the engine first
     late_wall_s: float = 0.0  # emulated tasks: wall seconds past their emulated duration
     episodes: EpisodeStats | None = None  # multi-turn rollouts
 

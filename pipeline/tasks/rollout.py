@@ -51,10 +51,11 @@ PAUSED: dict[str, Any] = {}  # chunk key -> the engine's paused handle (``Chunk.
 
 
 def generation_engine(spec: EngineSpec,
-                       weights: WeightsRef) -> tuple[GenerationBackend, float]:
-    """This worker's engine (awake) at ``weights.version``, and the cold-start seconds paid
-    now. The call order is the engine protocol's (ops/engine/protocol.py)."""
-    cold = 0.0
+                      weights: WeightsRef) -> tuple[GenerationBackend, float, float]:
+    """This worker's engine (awake) at ``weights.version``, and the seconds paid now: its
+    cold start, and getting the version into it (fetched first where a worker holds it).
+    The call order is the engine protocol's (ops/engine/protocol.py)."""
+    cold = fetch = 0.0
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
         engine = make_engine(spec, engine_ram_bytes())
@@ -63,8 +64,10 @@ def generation_engine(spec: EngineSpec,
         cold = engine.load_seconds
     engine.wake()
     if engine.version != weights.version:
+        started = time.perf_counter()
         engine.set_weights(local_weights(weights))
-    return engine, cold
+        fetch = time.perf_counter() - started
+    return engine, cold, fetch
 
 
 def worker_engine() -> GenerationBackend:
@@ -84,28 +87,29 @@ def generate_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int
     """Rollouts of one shard, beside the statistics of their generation.
     ``target_version``: the trainer version that will consume them (default: ``weights``'),
     which ``weights`` may lag by up to ``spec.max_staleness`` versions."""
-    engine, cold = generation_engine(spec.engine, weights)
+    engine, cold, fetch = generation_engine(spec.engine, weights)
     need = weights.version if target_version is None else target_version
     require_version(engine.version, need, f"worker {worker_name()}", spec.max_staleness)
     params = seeded(spec, seed)
     if spec.episodes is not None or spec.agent is not None:
-        return _episodes(engine, shard, spec, params, cold)
+        return _episodes(engine, shard, spec, params, cold, fetch)
     table, stats = engine.generate(shard, spec.n_samples, params, worker=worker_name(),
                                    share_prefixes=spec.share_prefixes)
     engine.sleep()  # colocated engines free the device for the trainer
-    return _generated(table, stats, cold)
+    return _generated(table, stats, cold, fetch)
 
 
-def _generated(table: pa.Table, stats: GenerationStats, cold: float) -> Generated:
+def _generated(table: pa.Table, stats: GenerationStats, cold: float,
+               fetch: float) -> Generated:
     """``table`` beside ``stats``, with the cold start paid and the generation seconds (the
     engine's own where it reports them: an emulated one's include its weight load)."""
-    stats.cold_start_s = cold
+    stats.cold_start_s, stats.weight_fetch_s = cold, fetch
     stats.gen_seconds = stats.gen_seconds or stats.prefill_seconds + stats.decode_seconds
     return Generated(table, stats)
 
 
 def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
-              params: SamplingParams, cold: float) -> Generated:
+              params: SamplingParams, cold: float, fetch: float) -> Generated:
     """Multi-turn rollouts of a shard against an environment (``ops/rollouts/episode.py``)
     or an agent (``ops/rollouts/agent.py``); generation seconds and the environment's or
     agent's seconds are reported apart (``gen_seconds``, ``env_seconds``)."""
@@ -115,7 +119,7 @@ def _episodes(engine: GenerationBackend, shard: pa.Table, spec: GenSpec,
                            spec.episodes if spec.agent is None else spec.agent,
                            worker=worker_name(), stats=stats)
     stats.episodes = episodes
-    return _generated(table, stats, cold)
+    return _generated(table, stats, cold, fetch)
 
 
 # ---- chunked generation (elastic policy): cut at tau, then resume here or migrate ----
@@ -144,7 +148,7 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     Dask event ``pause_event`` is set; the rest stay paused on this worker under ``key``
     (with their KV cache where the engine keeps one) until ``resume_task`` or ``drop_task``.
     Returns ``{"done": rollouts, "cut": unfinished rows}``."""
-    engine, cold = generation_engine(spec.engine, weights)
+    engine, cold, fetch = generation_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     params = seeded(spec, seed)
     if spec.episodes is not None or spec.agent is not None:  # episodes run whole: no tail
@@ -155,18 +159,18 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     engine.sleep()
     if chunk.paused is not None:
         PAUSED[key] = chunk.paused
-    return {"done": _generated(chunk.done, chunk.stats, cold), "cut": chunk.cut}
+    return {"done": _generated(chunk.done, chunk.stats, cold, fetch), "cut": chunk.cut}
 
 
 def resume_task(key: str, weights: WeightsRef, spec: GenSpec) -> Generated:
     """Finish the paused chunk ``key`` here (the *stay* side: with its KV cache where the
     engine keeps one; its draws keyed as the chunk's were)."""
     paused = PAUSED.pop(key)
-    engine, _ = generation_engine(spec.engine, weights)
+    engine, _, fetch = generation_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     table, stats = engine.resume(paused, spec.sampling, worker=worker_name())
     engine.sleep()
-    return _generated(table, stats, 0.0)
+    return _generated(table, stats, 0.0, fetch)
 
 
 def drop_task(key: str) -> bool:
@@ -177,8 +181,8 @@ def drop_task(key: str) -> bool:
 def continue_task(cut: pa.Table, weights: WeightsRef, spec: GenSpec, seed: int) -> Generated:
     """Continue sequences cut on another worker, recomputing their prefix (the *move*
     side of cut-and-migrate)."""
-    engine, cold = generation_engine(spec.engine, weights)
+    engine, cold, fetch = generation_engine(spec.engine, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     table, stats = engine.continue_rows(cut, seeded(spec, seed), worker=worker_name())
     engine.sleep()
-    return _generated(table, stats, cold)
+    return _generated(table, stats, cold, fetch)

@@ -54,7 +54,7 @@ def _in_cluster(address: str, dask_scheduler=None) -> bool:
 
 def _kv_engine(spec: EngineSpec, weights: WeightsRef):
     """This worker's engine at ``weights`` (awake), which must keep exportable KV."""
-    engine, cold = generation_engine(spec, weights)
+    engine, cold, _ = generation_engine(spec, weights)
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     if not engine.exports_kv:
         raise TypeError(f"backend {spec.backend!r} keeps no exportable KV cache: its tails "
@@ -157,7 +157,7 @@ def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, .
     decode first (its thread pool starts); the repeats then cycle through every (threads,
     batch), so a burst of outside load lands on all of them alike. The worker's torch
     threads are restored afterwards."""
-    engine, _ = generation_engine(spec.engine, weights)
+    engine, _, _ = generation_engine(spec.engine, weights)
 
     def step_seconds(batch: int) -> float:
         return engine.step_seconds(batch, steps, prompt_tokens)

@@ -132,6 +132,7 @@ class Shard:  # a generation shard's counters, as GenerationStats carries them
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     episodes: Waited | None = None
+    weight_fetch_s: float = 0.0
 
 
 @dataclasses.dataclass

@@ -1,14 +1,17 @@
 """Cold starts and weight fetches priced at the model's size (pure, no Dask): the same work
 at the same measured rates gets another worker count at Qwen2.5-0.5B's size than at a tiny
-model's, and a LoRA run, which sends its adapter alone, keeps workers that a full-weight run
-of the same model releases."""
+model's, a LoRA run, which sends its adapter alone, keeps workers that a full-weight run of
+the same model releases, and the fetches a run measures replace the prior."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.schedulers.scaling import choose_generation_workers
+from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingKnobs, ScalingPolicy
+from rlhfless.schedulers.throughput import ThroughputModel
 from rlhfless.schedulers.weight_costs import WeightCosts
 
 QWEN_05B = 494_032_768  # Qwen2.5-0.5B's parameters, tied embeddings once
@@ -64,3 +67,26 @@ def test_an_adapter_fetch_keeps_the_warm_workers_a_full_fetch_releases():
     lora = _decide(WeightCosts.of_model(QWEN_05B, fetch_gbs=1.0, adapter_params=ADAPTER,
                                         **RATES), keep_warm=8)
     assert (full.n_workers, lora.n_workers) == (4, 8)
+
+
+def test_measured_fetches_replace_the_prior_and_move_the_decision():
+    """The live runtime reports each shard's fetch (``GenerationStats.weight_fetch_s``); the
+    policy's fetch price becomes their EWMA (alpha 0.3 after the first), survives a
+    checkpoint, and the 2.15 s it reaches on a model priced as tiny cuts 8 warm workers to 4
+    as the 0.5B prior does."""
+    policy = ScalingPolicy(ScalingKnobs(), WeightCosts.of_model(
+        TINY, fetch_gbs=1.0, **RATES).throughput(**STEPS))
+    assert policy.throughput.weight_fetch_s == pytest.approx(TINY * 4 / 1e9)
+
+    def plan():
+        return policy.plan(np.full(GROUPS, float(LENGTH)), np.full(GROUPS, float(LENGTH)),
+                           SAMPLES, np.zeros(GROUPS), keep_warm=8, max_workers=8).n_workers
+
+    assert plan() == 8
+    shards = [GenerationStats(weight_fetch_s=s) for s in (2.0, 0.0, 2.5)]  # 0: had it
+    policy.observe_iteration(["p"], [LENGTH], IterationTimings(0.0, shards, []))
+    assert policy.throughput.weight_fetch_s == pytest.approx(0.3 * 2.5 + 0.7 * 2.0)
+    assert plan() == 4
+    restored = ScalingPolicy(ScalingKnobs(), ThroughputModel())
+    restored.load_state_dict(policy.state_dict())
+    assert restored.throughput.weight_fetch_s == policy.throughput.weight_fetch_s

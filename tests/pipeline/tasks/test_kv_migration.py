@@ -42,7 +42,7 @@ def cluster():
 
 def _float64_engine(spec: GenSpec, weights: WeightsRef) -> str:
     """Load this worker's engine in float64: no near-tie can flip a token."""
-    engine, _ = generation_engine(spec.engine, weights)
+    engine, _, _ = generation_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 

@@ -3,8 +3,8 @@ LocalCluster: a worker fetches what another worker's process holds, over Dask's 
 here), into
 its own directory; the holder keeps its ``keep`` newest versions. A run with
 ``weight_store = "cluster"`` writes no version into the run directory, yet its generation
-workers generate each iteration from the trainer's version, and it resumes from its
-checkpoint the same way."""
+workers generate each iteration from the trainer's version (and report what fetching it
+took), and it resumes from its checkpoint the same way."""
 
 from __future__ import annotations
 
@@ -76,12 +76,16 @@ def test_a_run_trains_and_resumes_with_no_version_on_disk(tiny_model_dir, tmp_pa
     def published(run) -> list[str]:
         return sorted(p.name for p in run.weights.glob("*")) if run.weights.exists() else []
 
-    run = train(cfg(1), progress=False, log=lambda *_: None)
+    run = train(cfg(2), progress=False, log=lambda *_: None)
     assert published(run) == []
-    resumed = train(cfg(2), progress=False, log=lambda *_: None, resume=True)
+    first = [m for m in run.metrics() if m.get("event") == "iteration"]
+    # iteration 1 generated from the model itself; iteration 2's workers fetched v1 first
+    # over the cluster and reported the seconds
+    assert first[0]["weight_fetch_s"] == 0 < first[1]["weight_fetch_s"]
+    resumed = train(cfg(3), progress=False, log=lambda *_: None, resume=True)
     iterations = [m for m in resumed.metrics() if m.get("event") == "iteration"]
-    assert [m["iteration"] for m in iterations] == [1, 2]
-    # each iteration generated from the version the trainer had published before it: v1
-    # came over the cluster from the trainer that restored checkpoint 1
-    assert [_policy_versions(resumed, i) for i in (1, 2)] == [{0}, {1}]
+    assert [m["iteration"] for m in iterations] == [1, 2, 3]
+    # each iteration generated from the version the trainer had published before it: v2
+    # came over the cluster from the trainer that restored checkpoint 2
+    assert [_policy_versions(resumed, i) for i in (1, 2, 3)] == [{0}, {1}, {2}]
     assert published(resumed) == []

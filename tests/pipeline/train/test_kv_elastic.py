@@ -70,7 +70,7 @@ def every_paused_tail_moves(progress) -> list[Migration]:
 
 
 def _float64_engine(spec, weights) -> str:
-    engine, _ = generation_engine(spec.engine, weights)
+    engine, _, _ = generation_engine(spec.engine, weights)
     engine.model.double()
     return str(engine.model.dtype)
 
