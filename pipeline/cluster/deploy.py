@@ -41,6 +41,7 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 from distributed import LocalCluster, Nanny, SpecCluster
+from distributed.core import Status
 from distributed.deploy.cluster import Cluster
 from distributed.security import Security
 
@@ -95,7 +96,16 @@ class PoolScaling:
     SpecCluster's own ``scale``, whose ``new_worker_spec`` hook picks the pool short of its
     count. Workers leave by name through SpecCluster's ``scale_down``. A name is never
     reused: SpecCluster closes a lost worker by name after a delay, which would stop a new
-    worker of the same name that has not connected yet (a queued job)."""
+    worker of the same name that has not connected yet (a queued job).
+
+    A worker of one of ``replaced_pools`` that leaves unasked (a batch job that ended, a host
+    cut off and removed) is replaced at once, from the cluster's own event loop: taken out of
+    the plan (SpecCluster then closes it) and a new one requested. The driver waits on the
+    pool's task (the trainer's update), which would otherwise wait for a worker for ever;
+    the driver grows a pool only between tasks. ``PoolCluster`` names the fixed pools of a
+    deployment whose workers do not come back by themselves."""
+
+    replaced_pools: frozenset[str] = frozenset()
 
     def set_pools(self, specs: Mapping[str, Callable[[str], dict[str, Any]]]) -> None:
         """``specs``: pool -> the ``worker_spec`` entry of a worker of that name."""
@@ -124,6 +134,20 @@ class PoolScaling:
         self.scale(sum(self._wanted.values()))
         return sorted(set(self.worker_spec) - before)
 
+    def _update_worker_status(self, op, msg) -> None:
+        if op == "remove":
+            self._replace_lost(msg)
+        super()._update_worker_status(op, msg)
+
+    def _replace_lost(self, address: str) -> None:
+        name = str(self.scheduler_info["workers"].get(address, {}).get("name", ""))
+        pool = pool_of(name) if name else ""
+        if (pool in self.replaced_pools and name in self.worker_spec
+                and self.status == Status.running):
+            members = len(self.pool_members(pool))
+            del self.worker_spec[name]
+            self.scale_pools({pool: members})
+
     def new_worker_spec(self) -> dict[str, dict[str, Any]]:
         pool = next(p for p, n in self._wanted.items() if len(self.pool_members(p)) < n)
         name = f"{pool}-{self._next_index[pool]}"
@@ -139,6 +163,8 @@ class PoolLocalCluster(PoolScaling, LocalCluster):
     trainer rank never came back, and the run could not form its group again)."""
 
     def _update_worker_status(self, op, msg) -> None:
+        if op == "remove":
+            self._replace_lost(msg)
         Cluster._update_worker_status(self, op, msg)  # SpecCluster's, without the close
 
 

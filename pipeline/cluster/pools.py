@@ -107,6 +107,9 @@ class PoolCluster:
         self.ledger = ledger
         self.deployment = deployment or LocalDeployment(host, dashboard_address)
         self.cluster = self.deployment.make_cluster([ElasticityPlugin()])
+        if not self.deployment.restarts_workers:  # a lost trainer is replaced at once
+            self.cluster.replaced_pools = frozenset(p.name for p in pools
+                                                    if p.name != adaptive_pool)
         self.cluster.set_pools({p.name: (lambda name, p=p: self.deployment.worker_spec(p, name))
                                 for p in pools})
         self.client = Client(self.cluster)

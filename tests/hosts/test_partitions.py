@@ -1,10 +1,11 @@
 """A run whose workers are hosts of their own, with the faults a network makes.
 
-The driver (and its scheduler) is this machine's namespace; the trainer and three generation
-workers are hosts of a ``Network`` (``netns_hosts.py``), started as batch jobs start them on
-other nodes (``hosts_deploy.py``), over TLS with the run's credentials. One static run of
-four iterations takes four faults, each struck mid-decode of a generation task or as the
-trainer's update starts (``host_faults.py``), and what should happen is written first:
+The driver (and its scheduler) is this machine's namespace; the trainer, a spare host for a
+second one, and three generation workers are hosts of a ``Network`` (``netns_hosts.py``),
+started as batch jobs start them on other nodes (``hosts_deploy.py``), over TLS with the
+run's credentials. One static run of five iterations (a checkpoint after each) takes five
+faults, each struck mid-decode of a generation task or as the trainer's update starts
+(``host_faults.py``), and what should happen is written first:
 
 * iteration 2, gen-1's link cut for ``BLIP_S`` (less than the deadline ``min_stall_s``) and
   restored: absorbed. No worker is declared lost, nothing is restarted or run again, and
@@ -18,8 +19,13 @@ trainer's update starts (``host_faults.py``), and what should happen is written 
   declared lost.
 * iteration 4, gen-2's host killed (every process at once): its connections close, it is
   declared lost at once and its rows are generated again on gen-1.
+* iteration 5, the trainer's link cut for good as its update starts: declared lost at
+  ``min_stall_s`` (it holds no decoding task), a new trainer started on the spare host at
+  once (the update waiting for a trainer would otherwise wait for ever: batch deployments
+  start no worker by themselves), and the run goes back to checkpoint 4 and redoes
+  iteration 5; train-0 is billed until it was declared lost.
 
-Every iteration 1-4 is recorded once, and in each every (prompt, sample) is used exactly
+Every iteration 1-5 is recorded once, and in each every (prompt, sample) is used exactly
 once. No namespace, link or process is left (the ``network`` fixture checks).
 """
 
@@ -40,10 +46,10 @@ from hosts_deploy import deploy_on_hosts
 from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.train.loop import train
 
-ITERATIONS, PROMPTS, SAMPLES = 4, 4, 4
+ITERATIONS, PROMPTS, SAMPLES = 5, 4, 4
 MIN_STALL_S, STALL_FACTOR, BLIP_S = 6.0, 2.0, 2.0
 SLACK_S = 3.0  # the stall watch's check period, heartbeats and this machine's lag
-HOSTS = ("train-0", "gen-0", "gen-1", "gen-2")
+HOSTS = ("train-0", "gen-0", "gen-1", "gen-2")  # at the start; train-1 is the spare
 
 
 def start_run(cfg: Config) -> tuple[threading.Thread, dict]:
@@ -94,12 +100,12 @@ def lifetimes(run: Path, name: str) -> list[dict]:
 @pytest.mark.slow
 def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
         network, tiny_model_dir, tmp_path, monkeypatch):
-    placement = {name: network.add_host(name) for name in HOSTS}
+    placement = {name: network.add_host(name) for name in (*HOSTS, "train-1")}
     deploy_on_hosts(monkeypatch, network, placement, tmp_path / "hosts")
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path / "runs"), name="hosts",
                  iterations=ITERATIONS, batch_prompts=PROMPTS, n_samples=SAMPLES,
                  max_new_tokens=16, heldout_prompts=4, eval_every=100, gen_workers=3,
-                 train_threads=1, checkpoint_every=100, min_stall_s=MIN_STALL_S,
+                 train_threads=1, checkpoint_every=1, min_stall_s=MIN_STALL_S,
                  stall_timeout_factor=STALL_FACTOR, scheduler_host=network.driver_address)
     strikes = tmp_path / "strikes.jsonl"
     started = time.time()
@@ -110,20 +116,22 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     for worker, prefix, action in (("gen-1", "generate-2-", "blip"),
                                    ("train-0", "update-2", "blip"),
                                    ("gen-0", "generate-3-", "cut"),
-                                   ("gen-2", "generate-4-", "kill")):
+                                   ("gen-2", "generate-4-", "kill"),
+                                   ("train-0", "update-5", "cut")):
         host = placement[worker]
         client.register_plugin(HostFault(worker, prefix, action, strikes,
                                          network.cut_command(host),
                                          network.restore_command(host), BLIP_S,
-                                         mid_decode=worker != "train-0"))
+                                         mid_decode=not worker.startswith("train")))
     thread.join(timeout=240)
     assert not thread.is_alive(), "the run did not finish"
     if "error" in out:
         raise out["error"]
     run, ended = out["run"].path, time.time()
-    blip, train_blip, cut, kill = read_strikes(strikes)
-    assert [(s["worker"], s["action"]) for s in (blip, train_blip, cut, kill)] == [
-        ("gen-1", "blip"), ("train-0", "blip"), ("gen-0", "cut"), ("gen-2", "kill")]
+    blip, train_blip, cut, kill, train_cut = read_strikes(strikes)
+    assert [(s["worker"], s["action"]) for s in (blip, train_blip, cut, kill, train_cut)] == [
+        ("gen-1", "blip"), ("train-0", "blip"), ("gen-0", "cut"), ("gen-2", "kill"),
+        ("train-0", "cut")]
     assert blip["decoding"] and cut["decoding"] and kill["decoding"]  # struck mid-decode
     metrics = records(run)
     iterations = {m["iteration"]: m for m in metrics if m["event"] == "iteration"}
@@ -140,12 +148,12 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     # the blip: absorbed. gen-1 delivered its own rows, was never declared lost, and is
     # billed as one lifetime to the end of the run
     assert "gen-1" in makers[2]
-    (stall,) = [m for m in metrics if m["event"] == "stall"]  # gen-0's, none for gen-1
+    stall, train_stall = [m for m in metrics if m["event"] == "stall"]  # none for gen-1
     (gen1,) = lifetimes(run, "gen-1")
     assert gen1["t_end"] > iterations[ITERATIONS]["time"]
     # the trainer's blip during its update: absorbed too, no recovery from a checkpoint
-    assert "recover" not in {m["event"] for m in metrics}
-    assert len(lifetimes(run, "train-0")) == 1
+    (recover,) = [m for m in metrics if m["event"] == "recover"]  # the trainer's cut's
+    assert recover["iteration"] == ITERATIONS - 1
     # the cut: gen-0 declared lost at its deadline from the config, its rows generated
     # again by the others, billed until it was declared lost
     assert (stall["worker"], stall["key"], stall["no_heartbeat"]) == ("gen-0", cut["key"], True)
@@ -159,8 +167,19 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     (gen2,) = lifetimes(run, "gen-2")
     assert 0 <= gen2["t_end"] - kill["time"] < SLACK_S
     assert makers[4] == {"gen-1"}
+    # the trainer's host cut for good: declared lost at min_stall_s (it decodes nothing),
+    # a new trainer started on the spare host at once, the run back to checkpoint 4
+    assert (train_stall["worker"], train_stall["no_heartbeat"]) == ("train-0", True)
+    assert train_stall["deadline_s"] == MIN_STALL_S
+    assert train_stall["time"] - train_cut["time"] < MIN_STALL_S + SLACK_S
+    (train0,) = lifetimes(run, "train-0")
+    assert abs(train0["t_end"] - train_stall["time"]) < SLACK_S
+    (train1,) = lifetimes(run, "train-1")
+    assert train1["t_end"] > iterations[ITERATIONS]["time"]
     print(f"hosts up in {hosts_up - started:.1f} s, the run ended {ended - hosts_up:.1f} s "
           f"later; gen-0 declared lost {stall['time'] - cut['time']:.1f} s after its cut "
           f"(deadline {stall['deadline_s']:.1f} s), iteration 3 ended "
           f"{iterations[3]['time'] - cut['time']:.1f} s after it; gen-2 lost "
-          f"{gen2['t_end'] - kill['time']:.2f} s after its kill")
+          f"{gen2['t_end'] - kill['time']:.2f} s after its kill; train-0 lost "
+          f"{train_stall['time'] - train_cut['time']:.1f} s after its cut, iteration 5 "
+          f"ended {iterations[5]['time'] - train_cut['time']:.1f} s after it")
