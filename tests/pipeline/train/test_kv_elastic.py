@@ -38,7 +38,7 @@ from rlhfless.pipeline.config import Config
 from rlhfless.pipeline.durable.runs import RunDir
 from rlhfless.pipeline.specs import make_specs
 from rlhfless.pipeline.tasks.rollout import generate_chunk_task, generation_engine
-from rlhfless.pipeline.train import loop
+from rlhfless.pipeline.train import build
 from rlhfless.pipeline.train.elastic import ElasticGeneration
 from rlhfless.pipeline.train.elastic_round import ElasticRound
 from rlhfless.pipeline.train.loop import train
@@ -203,7 +203,7 @@ def test_training_on_the_long_tail_task_moves_its_tails_and_logs_them(tmp_path, 
     """The training loop's elastic generation moves every paused tail (the planner's own
     choices are tested in tests/schedulers): each move is logged with its path, seconds and
     bytes, the iterations count the moved sequences, and every (prompt, sample) is once."""
-    monkeypatch.setattr(loop, "ScalingPolicy", MovingPairPolicy)
+    monkeypatch.setattr(build, "ScalingPolicy", MovingPairPolicy)
     cfg = Config(task="tally-long", runs_dir=str(tmp_path), iterations=2, batch_prompts=12,
                  n_samples=4, max_new_tokens=64, heldout_prompts=4, eval_every=2,
                  policy="elastic", gen_workers=2, lambda_cost=0.5, tau=0.4, keep_alive_s=0.0,
