@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -106,10 +107,12 @@ class PoolScaling:
     deployment whose workers do not come back by themselves."""
 
     replaced_pools: frozenset[str] = frozenset()
+    replaced_at: dict[str, float]  # replacement's name -> when it was requested (its billing)
 
     def set_pools(self, specs: Mapping[str, Callable[[str], dict[str, Any]]]) -> None:
         """``specs``: pool -> the ``worker_spec`` entry of a worker of that name."""
         self.pool_specs = dict(specs)
+        self.replaced_at = {}
         self._wanted = dict.fromkeys(specs, 0)
         self._next_index = dict.fromkeys(specs, 0)
 
@@ -146,7 +149,7 @@ class PoolScaling:
                 and self.status == Status.running):
             members = len(self.pool_members(pool))
             del self.worker_spec[name]
-            self.scale_pools({pool: members})
+            self.replaced_at |= dict.fromkeys(self.scale_pools({pool: members}), time.time())
 
     def new_worker_spec(self) -> dict[str, dict[str, Any]]:
         pool = next(p for p, n in self._wanted.items() if len(self.pool_members(p)) < n)

@@ -249,7 +249,8 @@ class PoolCluster:
         for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
                 if name not in self.ledger.running():
-                    self.ledger.worker_started(name, pool_of(name),
+                    requested = self.cluster.replaced_at.pop(name, None)  # a lost one's
+                    self.ledger.worker_started(name, pool_of(name), requested or
                                                self.adaptive.requested_at.pop(name, t))
                 self.ledger.worker_ready(name, t)
             elif kind == "depart" and name in self.ledger.running():

@@ -174,7 +174,8 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     assert train_stall["time"] - train_cut["time"] < MIN_STALL_S + SLACK_S
     (train0,) = lifetimes(run, "train-0")
     assert abs(train0["t_end"] - train_stall["time"]) < SLACK_S
-    (train1,) = lifetimes(run, "train-1")
+    (train1,) = lifetimes(run, "train-1")  # billed from its request, its start included
+    assert train1["t_start"] - train_stall["time"] < SLACK_S < train1["t_ready"] - train1["t_start"]
     assert train1["t_end"] > iterations[ITERATIONS]["time"]
     print(f"hosts up in {hosts_up - started:.1f} s, the run ended {ended - hosts_up:.1f} s "
           f"later; gen-0 declared lost {stall['time'] - cut['time']:.1f} s after its cut "
