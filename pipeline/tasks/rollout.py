@@ -152,7 +152,8 @@ def generate_chunk_task(shard: pa.Table, weights: WeightsRef, spec: GenSpec, see
     require_version(engine.version, weights.version, f"worker {worker_name()}")
     params = seeded(spec, seed)
     if spec.episodes is not None or spec.agent is not None:  # episodes run whole: no tail
-        return {"done": _episodes(engine, shard, spec, params, cold), "cut": shard.slice(0, 0)}
+        return {"done": _episodes(engine, shard, spec, params, cold, fetch),
+                "cut": shard.slice(0, 0)}
     stop = StopRule(until_finished, None if pause_event is None else PauseFlag(pause_event))
     chunk = engine.generate_until(shard, spec.n_samples, params, stop, worker=worker_name(),
                                   share_prefixes=spec.share_prefixes)
