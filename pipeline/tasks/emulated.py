@@ -204,11 +204,16 @@ class EmulatedEngine(GenerationBackend):
         }
         return pa.Table.from_pydict(columns, schema=ROLLOUTS)
 
-    def _stats(self, run: WorkerRun, emulated_s: float, late_wall_s: float) -> GenerationStats:
-        """The figures a real engine reports, of ``run`` (emulated seconds)."""
+    def _stats(self, run: WorkerRun, emulated_s: float, late_wall_s: float,
+                admitted: bool = True) -> GenerationStats:
+        """The figures a real engine reports, of ``run`` (emulated seconds); ``admitted``:
+        its sequences were taken in here (not a resumed schedule's), each a request whose
+        context was prefilled or, a group's prompt after its first sample, reused."""
         prefill = int(run.prefill.sum())
         return GenerationStats(
             prefill_tokens=prefill, prefill_seconds=prefill / self.profile.prefill_tokens_per_s,
+            prefill_reused_tokens=int(run.ctx0.sum()) - prefill if admitted else 0,
+            prefill_requests=int(run.seq.size) if admitted else 0,
             decode_tokens=int(run.batch.sum()), decode_steps=int(run.n_steps),
             decode_seconds=float(run.decode_s.sum()), gen_seconds=emulated_s,
             late_wall_s=late_wall_s)
@@ -256,7 +261,7 @@ class EmulatedEngine(GenerationBackend):
         table = self._rollouts(paused.rows, lengths, params, worker, paused.started,
                                started + emulated_s * self.time_scale)
         late = _sleep_until(started, emulated_s, self.time_scale)
-        return table, self._stats(rest, emulated_s, late)
+        return table, self._stats(rest, emulated_s, late, admitted=False)
 
     def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
                       worker: str = "local") -> tuple[pa.Table, GenerationStats]:

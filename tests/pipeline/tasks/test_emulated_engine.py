@@ -74,6 +74,8 @@ def test_generate_takes_the_profiles_time_and_the_traces_lengths():
     assert _decode_s(sum(lengths, []), 30) == pytest.approx(11.00248)
     assert stats.gen_seconds == pytest.approx(0.25 + 0.1 + 11.00248)
     assert stats.decode_steps == 500 and stats.decode_tokens == 840
+    # 8 requests; each group's 30-token prompt prefilled once, reused by its 3 other samples
+    assert stats.prefill_requests == 8 and stats.prefill_reused_tokens == 2 * 3 * 30
     # it slept for its emulated time, and the time it ran past that is what it reports late
     late = stats.late_wall_s
     assert late >= 0 and stats.gen_seconds * SCALE + late <= wall
