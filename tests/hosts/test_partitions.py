@@ -42,37 +42,14 @@ import pytest
 from distributed.client import _get_global_client
 from host_faults import HostFault, read_strikes
 from hosts_deploy import deploy_on_hosts
+from run_support import train_in_thread, wait_for
 
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.train.loop import train
 
 ITERATIONS, PROMPTS, SAMPLES = 5, 4, 4
 MIN_STALL_S, STALL_FACTOR, BLIP_S = 6.0, 2.0, 2.0
 SLACK_S = 3.0  # the stall watch's check period, heartbeats and this machine's lag
 HOSTS = ("train-0", "gen-0", "gen-1", "gen-2")  # at the start; train-1 is the spare
-
-
-def start_run(cfg: Config) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["run"] = train(cfg, progress=False, log=lambda *_: None)
-        except BaseException as err:  # handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, out
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def run_client(thread: threading.Thread, out: dict):
@@ -109,7 +86,7 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
                  stall_timeout_factor=STALL_FACTOR, scheduler_host=network.driver_address)
     strikes = tmp_path / "strikes.jsonl"
     started = time.time()
-    thread, out = start_run(cfg)
+    thread, out = train_in_thread(cfg)
     client = run_client(thread, out)
     hosts_up = time.time()
     assert client.scheduler.address.startswith(f"tls://{network.driver_address}:")

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed.client import _get_global_client
+from run_support import train_in_thread, wait_for
 from safetensors.torch import load_file
 
 from rlhfless.pipeline.cli import main
@@ -76,30 +77,6 @@ def assert_same_run(run: Path, reference: Path) -> None:
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def train_in_thread(cfg: Config) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["run"] = train(cfg, progress=False, log=lambda *_: None)
-        except BaseException as err:  # handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def run_client(thread: threading.Thread):

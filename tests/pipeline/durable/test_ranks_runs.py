@@ -18,14 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import zarr
+from run_support import train_in_thread, wait_for
 from safetensors.torch import load_file
 from test_faults import (
     ROLLOUT_COLUMNS,
     finish,
     kill_when_processing,
     metrics,
-    train_in_thread,
-    wait_for,
 )
 from test_security import LOOPBACK, listening
 from test_security_private import assert_private
