@@ -216,9 +216,10 @@ def split_pools(run: RunDir, cfg: Config, log) -> Config:
 
 
 def say_stalls(run: RunDir, pc: PoolCluster, log) -> None:
-    """Record and say the workers restarted because a task of theirs stalled."""
+    """Record and say the workers dropped (and restarted where their host answers) because
+    a task of theirs stalled."""
     for record in drain_stalls(pc):
         run.append_metrics({"event": "stall", **record})
         log(f"worker {record['worker']} made no progress on {record['key']} for "
             f"{record['no_progress_s']:.1f} s (deadline {record['deadline_s']:.1f} s): "
-            "restarted, its tasks run again")
+            "dropped, and restarted where its host answers; its tasks run again")
