@@ -213,6 +213,11 @@ class Config:
     cluster: str = "local"  # where workers run: local processes, slurm or pbs jobs
     device: str = "auto"  # auto (cuda if present), cpu or cuda
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
+    # the elastic policy's priors of what weights cost a worker (schedulers/weight_costs.py),
+    # at the model's size, until the run measures its own cold starts and fetches
+    engine_start_s: float = 30.0  # a cold start's part that is not the base weights' read
+    weight_load_gbs: float = 1.0  # GB/s a new worker reads the base weights at
+    weight_fetch_gbs: float = 1.0  # GB/s of a version's publish + fetch end to end
     # elastic scheduling (policy = "elastic"; static keeps gen_workers for the whole run):
     # the knobs of schedulers/scaling_policy.py ScalingKnobs, with its defaults and reasons
     lambda_cost: float = KNOBS.lambda_cost
@@ -292,9 +297,12 @@ class Config:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
         for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s",
                     "agent_timeout_s",
-                    "emulate_time_scale", "stall_timeout_factor", "min_stall_s"):
+                    "emulate_time_scale", "stall_timeout_factor", "min_stall_s",
+                    "weight_load_gbs", "weight_fetch_gbs"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
+        if not self.engine_start_s >= 0:
+            raise ConfigError(f"engine_start_s = {self.engine_start_s} must be >= 0")
         one_line(self.scaling_knobs)
         if set(self.prices) != {"gen", "train"}:
             raise ConfigError(f"prices = {self.prices} must price exactly the pools gen, train")

@@ -16,9 +16,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlhfless.ops.engine.backend import resolve_device, resolve_dtype
 from rlhfless.ops.engine.engine_types import WeightsRef
+from rlhfless.ops.engine.lora import LoraSpec
+from rlhfless.ops.engine.model_size import model_params
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
+from rlhfless.schedulers.weight_costs import WeightCosts
 
 from ..cluster.deploy import Deployment, deployment_from_config
 from ..config import Config, ConfigError
@@ -54,11 +58,24 @@ def build_run(cfg: Config, run: RunDir, log) -> RunParts:
     check_routes(cfg, {"dataset": prompts, "heldout": heldout})
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
                         **counts})
-    return RunParts(str(model_path), prompts, heldout,
-                    mode_specs(make_specs(cfg, model_path, run), cfg),
+    specs = mode_specs(make_specs(cfg, model_path, run), cfg)
+    return RunParts(str(model_path), prompts, heldout, specs,
                     PromptSampler(prompts, cfg.batch_prompts, cfg.seed),
                     WeightsRef(0, str(model_path)), CostLedger(cfg.prices),
-                    ScalingPolicy(cfg.scaling_knobs()), deployment_from_config(cfg, run.path))
+                    scaling_policy(cfg, model_path, specs.gen.engine.lora),
+                    deployment_from_config(cfg, run.path))
+
+
+def scaling_policy(cfg: Config, model_path: str | Path,
+                   lora: LoraSpec | None) -> ScalingPolicy:
+    """The run's elastic policy, its cold start and per-version fetch priced at the model's
+    size (``WeightCosts``): its parameters at the generation engine's dtype, a LoRA run's
+    adapter alone per version, over the configured rates."""
+    params, adapter = model_params(model_path, lora)
+    dtype = resolve_dtype(cfg.gen_dtype, resolve_device(cfg.device))
+    costs = WeightCosts.of_model(params, dtype.itemsize, cfg.weight_load_gbs,
+                                 cfg.weight_fetch_gbs, cfg.engine_start_s, adapter)
+    return ScalingPolicy(cfg.scaling_knobs(), costs.throughput())
 
 
 def _emulated(cfg: Config, run: RunDir, log) -> RunParts:
