@@ -22,22 +22,30 @@ that resumed from an earlier checkpoint).
 
 from __future__ import annotations
 
+import json
+import struct
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import _TYPES, load_file
 
 from .engine_types import WeightsRef
 from .lora import from_peft_state, is_adapter, lora_config, peft_state, trainable_state
-from .version_store import check_keep, install, process_umask, scratch_path
+from .version_store import check_keep, install, process_umask, scratch_path, write_pieces
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
+    from .version_store import Buffer
+
 ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's files
 ADAPTER_FILE = "adapter_model.safetensors"
+DTYPE_NAMES = {dtype: name for name, dtype in _TYPES.items()}  # safetensors' names of dtypes
+# a held version's pieces are at most Dask's shard size (distributed.comm.shard, 64 MiB):
+# each goes as a frame of its own, so the receiver never joins the parts of a split one
+PIECE_BYTES = 64 << 20
 
 
 def publish_weights(model: torch.nn.Module, store: str | Path, version: int,
@@ -63,19 +71,47 @@ def publish_state(state: dict[str, torch.Tensor], store: str | Path, version: in
 
 
 def version_files(state: dict[str, torch.Tensor], version: int,
-                  lora: LoraConfig | None = None) -> tuple[str, dict[str, bytes]]:
+                  lora: LoraConfig | None = None) -> tuple[str, dict[str, list[Buffer]]]:
     """Version ``version`` in memory, as ``publish_state`` would write it: its name in a
-    store (``v<version>.safetensors`` or ``v<version>``) and each file's bytes by its path
-    under that name (``""``: the name is the file)."""
+    store (``v<version>.safetensors`` or ``v<version>``) and each file by its path under
+    that name (``""``: the name is the file), as the pieces whose bytes in order are the
+    file's. The tensors are copied once, where ``state`` holds them, and their pieces are
+    views of the copy (a safetensors file is a header, then each tensor's bytes)."""
     state = _stored_state(state)
+    state = {k: t.clone() if t.data_ptr() == state[k].data_ptr() else t
+             for k, t in state.items()}  # its own memory: the trainer's changes on
     metadata = {"version": str(version)}
     if not _adapters_only(state, lora, version):
-        return _name(False, version), {"": save(state, metadata=metadata)}
+        return _name(False, version), {"": safetensors_pieces(state, metadata)}
     with tempfile.TemporaryDirectory() as scratch:
         lora.save_pretrained(scratch)
         config = (Path(scratch) / ADAPTER_CONFIG).read_bytes()
-    return _name(True, version), {ADAPTER_CONFIG: config,
-                                  ADAPTER_FILE: save(peft_state(state), metadata)}
+    return _name(True, version), {ADAPTER_CONFIG: [config],
+                                  ADAPTER_FILE: safetensors_pieces(peft_state(state), metadata)}
+
+
+def safetensors_pieces(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[Buffer]:
+    """A safetensors file of ``state`` (contiguous CPU tensors) as pieces, no byte copied:
+    its header (8-byte little-endian length, then the JSON of each tensor's dtype, shape and
+    byte range, space-padded to 8 bytes), then views of the tensors' bytes, each cut in
+    pieces of at most ``PIECE_BYTES``: the bytes of ``safetensors.torch.save``, in its
+    order (wider elements first, then by name)."""
+    order = sorted(state, key=lambda n: (-state[n].element_size(), n))  # as safetensors'
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        tensor = state[name]
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    pieces: list[Buffer] = [struct.pack("<Q", len(text)) + text]
+    for name in order:
+        raw = state[name].reshape(-1).view(torch.uint8).numpy()
+        pieces += [raw[i:i + PIECE_BYTES] for i in range(0, raw.size, PIECE_BYTES)]
+    return pieces
 
 
 def _stored_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,8 +143,9 @@ def _name(adapters: bool, version: int) -> str:
 
 
 def _write_tensors(state: dict[str, torch.Tensor], path: Path, version: int) -> None:
-    save_file(state, str(path), metadata={"version": str(version)})
-    path.chmod(0o666 & ~process_umask())  # safetensors makes it 0600 whatever the umask
+    """A safetensors file of ``state`` written from the tensors' own memory (per tensor,
+    ``save_file``'s Python costs more than an adapter's bytes take to write)."""
+    write_pieces(path, safetensors_pieces(state, {"version": str(version)}))
 
 
 def _write_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, tmp: Path,

@@ -15,9 +15,13 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .engine_types import WeightsRef
+
+Buffer = Any  # what has the buffer protocol: bytes, a numpy array (abc.Buffer from 3.12)
 
 _VERSION = re.compile(r"v(\d+)(?:\.safetensors)?")  # a published version's name
 
@@ -42,20 +46,25 @@ def check_keep(keep: int) -> None:
         raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
 
 
-def install_files(name: str, files: dict[str, bytes], store: str | Path, version: int,
-                  keep: int = 2) -> WeightsRef:
-    """Version ``version`` into ``store`` from its files' bytes by their paths under its
-    ``name`` (``""``: ``name`` is the file; ``publish.version_files`` makes them), the
-    ``keep`` newest versions kept."""
+def install_files(name: str, files: dict[str, Sequence[Buffer]], store: str | Path,
+                  version: int, keep: int = 2) -> WeightsRef:
+    """Version ``version`` into ``store`` from its files by their paths under its ``name``
+    (``""``: ``name`` is the file), each the pieces whose bytes in order are the file's
+    (``publish.version_files`` makes them), the ``keep`` newest versions kept."""
     check_keep(keep)
     tmp = scratch_path(store, version)
     if "" not in files:
         tmp.mkdir(mode=0o777 & ~process_umask())
-    for rel, data in files.items():
-        path = tmp / rel if rel else tmp
-        path.write_bytes(data)
-        path.chmod(0o666 & ~process_umask())
+    for rel, pieces in files.items():
+        write_pieces(tmp / rel if rel else tmp, pieces)
     return install(tmp, store / name, version, keep)
+
+
+def write_pieces(path: Path, pieces: Sequence[Buffer]) -> None:
+    """A new file of ``pieces``' bytes in order (its mode: what the umask gives)."""
+    with path.open("xb") as f:
+        for piece in pieces:
+            f.write(piece)
 
 
 def scratch_path(store: str | Path, version: int) -> Path:

@@ -68,6 +68,9 @@ class Trainer:
     ref: torch.nn.Module | None  # the frozen reference (kl_coef > 0), else None
     cold_start_s: float  # the load's seconds, reported by the first update (then 0)
     token: str | None = None  # the driver's name for this trainer's life; None until started
+    # one rank with frozen weights (LoRA): what trains, by name (the optimizer updates these
+    # tensors in place), published without walking the model (state_dict: 25 ms at 0.5B)
+    trainables: dict[str, torch.Tensor] | None = None
 
     @property
     def version(self) -> int:
@@ -96,7 +99,9 @@ class Trainer:
         loaded = self.loaded
         ranks = _ranks(spec)
         model = loaded.model
-        if ranks is None:
+        if self.trainables is not None:
+            whole = self.trainables
+        elif ranks is None:
             whole = trainable_state(model, model.state_dict())
         else:
             whole = full_state(self.model, keep=ranks.rank == 0, names=trainable_names(model))
@@ -148,7 +153,11 @@ def _trainer(spec: TrainSpec) -> Trainer | EmulatedTrainer:
         model = loaded.model if ranks is None else wrap_model(loaded.model, ranks)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                       lr=params.lr, weight_decay=0.0)
-        state = Trainer(loaded, model, optimizer, ref, loaded.load_seconds)
+        names = trainable_names(model) if ranks is None else None
+        trainables = None if names is None else {
+            n: p.detach() for n, p in model.named_parameters() if n in names}
+        state = Trainer(loaded, model, optimizer, ref, loaded.load_seconds,
+                        trainables=trainables)
         _TRAINER[spec.engine.model_path] = state
     return state
 

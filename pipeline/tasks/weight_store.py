@@ -4,11 +4,13 @@
 (``ops/engine/publish.py``), which every worker reads; the ``WeightsRef`` is its path.
 
 ``weight_store = "cluster"``: nothing is written. The trainer's worker holds the ``keep``
-newest versions' bytes in memory (``version_files``) and answers a comm handler of its own,
-``rlhfless_weights``; the ``WeightsRef`` names that worker (``holder``) and the version's
-name. A generation worker whose engine needs the version asks the holder over Dask's comms,
-worker to worker, through its own connection pool (so the cluster's TLS, where configured,
-covers the bytes), writes them into its own local directory and loads them from there. No
+newest versions in memory (``version_files``: a copy of the tensors, and views of it as the
+files' pieces) and answers a comm handler of its own, ``rlhfless_weights``; the
+``WeightsRef`` names that worker (``holder``) and the version's name. A generation worker
+whose engine needs the version asks the holder over Dask's comms, worker to worker, through
+its own connection pool (so the cluster's TLS, where configured, covers the bytes); each
+piece goes as a frame of its own, read into a buffer of its own and written from there into
+the worker's local directory, whence the engine loads it (no copy of the whole). No
 two machines need a common file system. A handler rather than a task pinned to the trainer:
 the trainer's threads are busy updating the next version while generation workers fetch
 (async mode), and a handler runs on the worker's event loop, beside them. Dask's shuffle
@@ -37,8 +39,8 @@ if TYPE_CHECKING:
 HANDLER = "rlhfless_weights"  # the trainer worker's comm handler that serves versions
 LOCAL_STORE = "rlhfless-weights"  # under a generation worker's local directory
 
-# version -> (its name, its files, the versions kept): what this trainer holds
-_HELD: dict[int, tuple[str, dict[str, bytes], int]] = {}
+# version -> (its name, its files' pieces, the versions kept): what this trainer holds
+_HELD: dict[int, tuple[str, dict[str, list], int]] = {}
 
 
 def publish_version(state: dict[str, torch.Tensor], store: str | None, version: int,
@@ -79,7 +81,7 @@ def serve_version(version: int) -> dict:
         return {"status": "missing", "held": held_versions()}
     name, files, keep = _HELD[version]
     return {"status": "OK", "name": name, "keep": keep,
-            "files": {rel: to_serialize(data) for rel, data in files.items()}}
+            "files": {rel: [to_serialize(p) for p in pieces] for rel, pieces in files.items()}}
 
 
 def local_weights(ref: WeightsRef) -> WeightsRef:

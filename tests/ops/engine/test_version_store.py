@@ -1,5 +1,5 @@
-"""A version in memory (``version_files``) is byte for byte what ``publish_state`` writes,
-full weights and LoRA adapters alike, and ``install_files`` puts it into another store
+"""A version in memory (``version_files``: pieces of a copy of the tensors) is byte for
+byte what ``publish_state`` writes, full weights and LoRA adapters alike, and ``install_files`` puts it into another store
 where the policy loads from it exactly; that store keeps its ``keep`` newest versions."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rlhfless.ops.engine import publish
 from rlhfless.ops.engine.lora import LoraSpec, add_adapters, lora_config, trainable_state
 from rlhfless.ops.engine.publish import load_weights, publish_state, version_files
 from rlhfless.ops.engine.version_store import install_files
@@ -30,14 +31,29 @@ def _adapted(model: torch.nn.Module) -> torch.nn.Module:
     return adapted
 
 
-def test_a_version_in_memory_is_the_published_files(model, tmp_path):
+def test_a_version_in_memory_is_the_published_files(model, tmp_path, monkeypatch):
+    """Its pieces joined are the files, byte for byte; cut at 1 KiB, no piece is larger and
+    the joined bytes are the same; the model trained on after leaves them as they were."""
     adapted = _adapted(model)
-    for source in (model, adapted):
+    for source in (copy.deepcopy(model), adapted):  # trained on below: not the fixture
         state = trainable_state(source, source.state_dict())
         written = publish_state(state, tmp_path / "run", 4, lora=lora_config(source))
         name, files = version_files(state, 4, lora_config(source))
+        with monkeypatch.context() as small:
+            small.setattr(publish, "PIECE_BYTES", 1024)
+            _, cut = version_files(state, 4, lora_config(source))
+        with torch.no_grad():
+            for tensor in state.values():
+                tensor.add_(1.0)
         assert name == Path(written.path).name
-        assert files == _files(Path(written.path))
+        assert _joined(files) == _joined(cut) == _files(Path(written.path))
+        pieces = [len(memoryview(p).cast("B")) for rel in cut for p in cut[rel][1:]]
+        assert max(pieces) == 1024 and len(pieces) > len(state)
+
+
+def _joined(files: dict[str, list]) -> dict[str, bytes]:
+    return {rel: b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+            for rel, pieces in files.items()}
 
 
 def test_installed_files_load_the_policy_and_keep_the_newest(model, tmp_path):

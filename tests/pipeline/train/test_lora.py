@@ -15,7 +15,7 @@ from test_ranks import PARAMS, trainable
 from transformers import AutoModelForCausalLM
 
 from rlhfless.ops.algo.update import update_policy
-from rlhfless.ops.engine.engine_types import WeightsRef
+from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef
 from rlhfless.ops.engine.lora import (
     LoraSpec,
     adapter_bytes,
@@ -27,6 +27,7 @@ from rlhfless.ops.engine.publish import ADAPTER_FILE, load_weights, publish_weig
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.durable.checkpoint import find
 from rlhfless.pipeline.durable.export import export_hf
+from rlhfless.pipeline.tasks.trainer import TrainSpec, _trainer, drop_trainer, publish_task
 from rlhfless.pipeline.train.loop import train
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -58,6 +59,31 @@ def test_update_trains_and_publishes_only_adapters(tiny_model_dir, tmp_path):
     ids = torch.tensor([[5, 9, 17, 3, 44]])
     with torch.no_grad():
         torch.testing.assert_close(generator(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_the_trainer_publishes_its_adapters_as_a_step_left_them(tiny_model_dir, tmp_path):
+    """The trainer keeps its adapter tensors by name (the optimizer updates them in place)
+    and publishes them without a state_dict: after an AdamW step, version 1 is exactly the
+    adapters the model now holds, every one of them moved."""
+    spec = TrainSpec(EngineSpec(str(tiny_model_dir), "cpu", 1, lora=SPEC), PARAMS,
+                     str(tmp_path / "weights"))
+    try:
+        trainer = _trainer(spec)
+        model = trainer.loaded.model
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+        trainer.optimizer.step()
+        ref = publish_task({}, spec, 1)
+    finally:
+        drop_trainer()
+    published = from_peft_state(load_file(f"{ref.path}/{ADAPTER_FILE}"))
+    assert published.keys() == before.keys()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(published[name], param.detach())
+            assert not torch.equal(published[name], before[name])
 
 
 def test_bad_lora_settings_are_one_line_errors():
