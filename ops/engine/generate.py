@@ -38,6 +38,7 @@ from ..data.schema import PROMPTS, check_columns
 from .engine_types import SamplingParams, check_limit
 from .forward import forward_with_cache, layer_tensors, left_pad, policy_logprobs, positions_of
 from .gen_stats import GenerationStats
+from .phases import DecodeSpans, record
 from .progress import beat
 from .rows import expand_samples, prefix_lens_of, rollouts_table, row_keys
 from .seeds import index_keys, uniforms
@@ -180,7 +181,7 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     (``row_keys`` of ``expand_samples``' rows); default: the sequences numbered under
     ``params.seed``."""
     stats = stats if stats is not None else GenerationStats()
-    started = time.perf_counter()
+    started, t0 = time.perf_counter(), time.time()
     check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
     if prefix_lens is None:  # no sharing: every sample prefilled on its own
         prompts = [p for p in prompts for _ in range(n_samples)]
@@ -197,8 +198,9 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
     suffixes = [p[k:] for p, k in zip(prompts, prefix_lens)]
     logits, mask = extend_cache(model, cache, past_mask, prefix_lens, suffixes, pad_id)
     prefilled = sum(len(p) for p in prefixes) + sum(map(len, suffixes))
+    reused = repeat * sum(map(len, prompts)) - prefilled
     stats.prefill_tokens += prefilled
-    stats.prefill_reused_tokens += repeat * sum(map(len, prompts)) - prefilled
+    stats.prefill_reused_tokens += reused
     stats.prefill_requests += repeat * len(prompts)
     next_pos = torch.tensor([len(p) for p in prompts], device=model.device)
     if repeat > 1:
@@ -207,6 +209,8 @@ def prefill_prompts(model, prompts: list[list[int]], n_samples: int, params: Sam
         mask = mask.repeat_interleave(repeat, dim=0)
         next_pos = next_pos.repeat_interleave(repeat)
     stats.prefill_seconds += time.perf_counter() - started
+    record("prefill", t0, time.time(), tokens=prefilled,
+           reused_tokens=reused, requests=repeat * len(prompts))
     n_seq = logits.shape[0]
     return start_decoding(model, cache, logits, mask, next_pos, [params.max_new_tokens] * n_seq,
                   index_keys(params.seed, n_seq) if keys is None else keys)
@@ -221,7 +225,7 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
     ``sample_idx`` (the sampling keys) of ``cut``; the decoding's tokens start with the
     partial ones."""
     stats = stats if stats is not None else GenerationStats()
-    started = time.perf_counter()
+    started, t0 = time.perf_counter(), time.time()
     prompts, generated = cut.column("prompt_ids").to_pylist(), cut.column("partial_ids").to_pylist()
     full = [p + g for p, g in zip(prompts, generated)]
     check_context(model, max(len(p) for p in prompts) + params.max_new_tokens)
@@ -233,6 +237,7 @@ def prefill_continuations(model, cut: pa.Table, params: SamplingParams, pad_id: 
     stats.prefill_tokens += int(mask.sum())
     stats.prefill_requests += len(full)
     stats.prefill_seconds += time.perf_counter() - started
+    record("prefill", t0, time.time(), tokens=int(mask.sum()), requests=len(full))
     next_pos = torch.tensor([len(f) for f in full], device=model.device)
     budgets = [params.max_new_tokens - len(g) for g in generated]
     if min(budgets) < 1:
@@ -254,9 +259,10 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
     ready to resume). A sequence that
     emits EOS or spends its budget leaves the batch and the KV cache at once; just before,
     ``on_leave(dec, rows)`` sees the batch rows that leave, their cache still in place
-    (without their last sampled token, which never ran through the model)."""
+    (without their last sampled token, which never ran through the model). Its phases:
+    decode spans (``phases.DecodeSpans``) and, where it stops with rows left, a ``pause``."""
     stats = stats if stats is not None else GenerationStats()
-    started = time.perf_counter()
+    started, spans = time.perf_counter(), DecodeSpans()
     while len(dec.live):
         live = dec.live.tolist()
         tokens, logps = _sample(dec.logits, params, _draws(dec, live, params))
@@ -265,6 +271,7 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
             dec.logprobs[seq].append(lp)
         stats.decode_tokens += len(dec.live)
         stats.decode_steps += 1
+        spans.step(len(dec.live))
         beat()  # the stall watch sees this task move
         stopped = tokens == eos_id
         for seq in dec.live[stopped].tolist():
@@ -288,6 +295,11 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
         if dec.finished_fraction >= until_finished or (pause is not None and pause()):
             break
     stats.decode_seconds += time.perf_counter() - started
+    spans.close()
+    if len(dec.live):  # stopped at the rule: the rest wait, paused
+        now = time.time()
+        record("pause", now, now, live=len(dec.live), finished=dec.finished_fraction,
+               by="tau" if dec.finished_fraction >= until_finished else "flag")
     return dec
 
 

@@ -27,6 +27,7 @@ from .engine_types import SamplingParams, Turn
 from .gen_stats import GenerationStats
 from .generate import Decoding, extend_cache, run_decoding, stack_prefix_cache, start_decoding
 from .kv_transfer import KV, row_kv
+from .phases import record
 
 
 @dataclass
@@ -56,7 +57,7 @@ def decode_turns(model, tokenizer, turns: list[Turn], params: SamplingParams,
     """The protocol's ``decode_turns`` on ``model`` (see the module docstring)."""
     if not turns:
         return
-    started = time.perf_counter()
+    started, t0 = time.perf_counter(), time.time()
     if not keep_cache:
         for turn in turns:
             turn.cache = None
@@ -73,6 +74,8 @@ def decode_turns(model, tokenizer, turns: list[Turn], params: SamplingParams,
     keys = np.array([t.key for t in turns], dtype=np.uint64)
     dec = start_decoding(model, cache, logits, mask, next_pos, [t.budget for t in turns], keys)
     stats.prefill_seconds += time.perf_counter() - started
+    record("prefill", t0, time.time(), tokens=sum(map(len, pending)), reused_tokens=sum(past),
+           requests=len(turns))
 
     def leave(d: Decoding, rows: torch.Tensor) -> None:
         for row in rows.tolist():
@@ -80,9 +83,8 @@ def decode_turns(model, tokenizer, turns: list[Turn], params: SamplingParams,
             if keep_cache:  # the cache holds all but the last sampled token
                 turns[seq].cache = KeptKV(turns[seq].context + d.tokens[seq][:-1],
                                           row_kv(d.cache, d.mask, row))
+            turns[seq].result = (d.tokens[seq], d.logprobs[seq], d.reasons[seq])
             if on_leave is not None:
                 on_leave(seq, list(d.tokens[seq]))
 
     run_decoding(model, dec, params, tokenizer.eos_token_id, stats, on_leave=leave)
-    for turn, result in zip(turns, dec.results()):
-        turn.result = result

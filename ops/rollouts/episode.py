@@ -55,6 +55,7 @@ from ..data.records import record_fields
 from ..data.schema import EPISODES, SCORED
 from ..engine.engine_types import SamplingParams, Turn
 from ..engine.gen_stats import EpisodeStats, GenerationStats
+from ..engine.phases import record
 from ..engine.protocol import GenerationBackend
 from ..engine.rows import expand_samples, rollouts_table, row_keys
 from ..engine.seeds import subkeys
@@ -233,7 +234,7 @@ def run_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: int,
             call.ep.fail("reset", err)
     while live := [ep for ep in eps if ep.finish is None]:
         steps = _play_round(engine, live, sampling, params, eos, stats)
-        waited = time.perf_counter()
+        waited, t0 = time.perf_counter(), time.time()
         for call in steps:
             ep = call.ep
             try:
@@ -253,6 +254,7 @@ def run_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: int,
                 except ValueError as err:  # a chat template that cannot append messages
                     ep.fail("step", err)
         est.env_wait_seconds += time.perf_counter() - waited
+        record("env_wait", t0, time.time(), episodes=len(steps))
     for call in [_env_call(ep, _close, ep.env) for ep in eps if ep.env is not None]:
         try:
             final = call.result(timeout)

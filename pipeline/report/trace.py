@@ -9,6 +9,13 @@ Dask thread it ran tasks on, and one process ``driver`` for the training loop. S
   named by the task's stage, with ``key``, ``iteration``, ``shard``, ``tag`` (``eval`` for
   the held-out graph), ``policy_version`` (the version the iteration's rows were generated
   by; the trainer's for update and publish), ``bytes`` (its result's size) as arguments;
+- inside it, what the engine did (``ops/engine/phases.py``, shipped by
+  ``task_phases.py``): spans (category ``phase``) of its cold start, weight fetch, prefills
+  (``tokens``, ``reused_tokens``, ``requests``), decode chunks (``tokens``, ``steps``), the
+  stop at the stop rule (``pause``: zero long, with the rows left ``live`` and ``by``
+  ``tau`` or ``flag``) and its waits on environments (``env_wait``), with the task's
+  ``key``, ``iteration``, ``shard`` and ``tag``; each placed by its offset from the task's
+  start, and kept inside the task's span;
 - the task's other phases (input transfers, disk reads) as async spans (``ph: "b"/"e"``,
   category ``transfer``) of its worker, beside the thread: a transfer overlaps the compute
   of the task before it, so it has no place on the thread's track;
@@ -20,7 +27,9 @@ The file is written as the run goes, one chunk per iteration, in the format's ar
 the closing ``]`` is written when the run ends (Perfetto opens a file without it, e.g. of a
 run still going; ``read_trace`` reads both). Its size is bounded per iteration: a chunk
 holds at most ``MAX_TASKS`` tasks, an even sample of them by start time where more ran, and
-says so (a ``sampled`` instant event with how many ran and how many were kept).
+the phases of at most ``MAX_PHASES`` (those of an even sample of the kept tasks, each
+task's all or none), and says so (a ``sampled`` instant event with how many tasks ran and
+how many were kept, and how many phases were).
 ``rlhfless trace`` writes a part of it (``--iterations a:b``) as a file of its own.
 """
 
@@ -35,21 +44,29 @@ from pathlib import Path
 from rlhfless.schedulers.dask.plugin import task_records
 
 from ..task_keys import parse_key
+from . import task_phases
 from .trace_events import DRIVER, US, driver_span, meta, pid_of, read_trace
 
 MAX_TASKS = 5000  # per iteration's chunk; a tiny run's iteration runs tens
+MAX_PHASES = 50_000  # per chunk: phases of the tasks kept
+PHASE_ARGS = ("key", "iteration", "shard", "tag")  # the task's, on each of its phases
 TRAINER_STAGES = ("update", "publish")  # tasks at the trainer's version, not the rows'
 
 
 class TaskStream:
-    """The scheduler's task records, each given once: ``take`` returns those since the last."""
+    """The scheduler's task records, each given once: ``take`` returns those since the last,
+    each with its ``phases`` where its worker shipped any (``task_phases.py``). Made before
+    the tasks it is to see: it installs what records them."""
 
     def __init__(self, client) -> None:
         self.client, self.index = client, 0
+        client.run_on_scheduler(task_records, since=0)  # Dask's task stream, from now
+        task_phases.install(client)
 
     def take(self) -> list[dict]:
         records, self.index = self.client.run_on_scheduler(task_records, since=self.index)
-        return records
+        phases = self.client.run_on_scheduler(task_phases.drain)
+        return [r | phases.get(str(r["key"]), {}) for r in records]
 
 
 def compute_start(task: dict) -> float:
@@ -88,6 +105,7 @@ def task_events(tasks: list[dict], versions: dict[int, dict],
                 events.append({"name": stage, "cat": "task", "ph": "X", "pid": pid,
                                "tid": tid, "ts": ts + shift, "dur": dur,
                                "args": args | {"clock_shift_us": shift} if shift else args})
+                events += phase_spans(task, events[-1])
             else:
                 span = {"name": ss["action"], "cat": "transfer", "pid": pid,
                         "id": f"{args['key']}/{n}/{ss['action']}", "args": args}
@@ -96,12 +114,45 @@ def task_events(tasks: list[dict], versions: dict[int, dict],
     return events
 
 
+def phase_spans(task: dict, span: dict) -> list[dict]:
+    """The spans of ``task``'s phases (``[name, offset s, seconds, args]``) inside its
+    compute ``span``: at their offsets from its start, cut to its end."""
+    inside = {k: span["args"][k] for k in PHASE_ARGS if k in span["args"]}
+    out = []
+    for name, offset, seconds, args in task.get("phases", ()):
+        t0 = min(max(offset * US, 0.0), span["dur"])
+        t1 = min(max((offset + seconds) * US, t0), span["dur"])
+        out.append({"name": name, "cat": "phase", "ph": "X", "pid": span["pid"],
+                    "tid": span["tid"], "ts": span["ts"] + t0, "dur": t1 - t0,
+                    "args": inside | args})
+    if task.get("dropped"):
+        span["args"] = span["args"] | {"phases_dropped": task["dropped"]}
+    return out
+
+
 def sampled(tasks: list[dict], limit: int = MAX_TASKS) -> list[dict]:
     """At most ``limit`` of ``tasks``, evenly spread over their start order."""
     if len(tasks) <= limit:
         return tasks
     order = sorted(tasks, key=lambda t: t["startstops"][0]["start"])
     return [order[i * len(order) // limit] for i in range(limit)]
+
+
+def thinned(tasks: list[dict], limit: int = MAX_PHASES) -> list[dict]:
+    """``tasks`` with the phases of every k-th only (k: what brings them to ``limit``), and
+    of none past ``limit``; a task keeps all its phases or none."""
+    total = sum(len(t.get("phases", ())) for t in tasks)
+    if total <= limit:
+        return tasks
+    every, out, kept = -(-total // limit), [], 0
+    for n, task in enumerate(tasks):
+        count = len(task.get("phases", ()))
+        if n % every or kept + count > limit:
+            task = {k: v for k, v in task.items() if k not in ("phases", "dropped")}
+        else:
+            kept += count
+        out.append(task)
+    return out
 
 
 class RunTrace:
@@ -132,13 +183,15 @@ class RunTrace:
               t0: float | None = None, record: dict | None = None) -> None:
         """A chunk: ``tasks`` (sampled to ``MAX_TASKS``), the driver's phases so far, and,
         given ``t0`` and its ``record``, the span of ``iteration`` from ``t0`` to now."""
-        kept = sampled(tasks)
+        kept = thinned(sampled(tasks))
         events = task_events(kept, versions, self.ends) + self.phases
-        if len(kept) < len(tasks):
+        phases = [sum(len(t.get("phases", ())) for t in ts) for ts in (tasks, kept)]
+        if len(kept) < len(tasks) or phases[1] < phases[0]:
             events.append({"name": "sampled", "ph": "i", "s": "g", "pid": pid_of(DRIVER),
                            "tid": 0, "ts": time.time() * US,
                            "args": {"iteration": iteration, "tasks": len(tasks),
-                                    "kept": len(kept)}})
+                                    "kept": len(kept), "phases": phases[0],
+                                    "phases_kept": phases[1]}})
         if t0 is not None and record is not None:
             events.append(driver_span("iteration", t0, time.time(), **iteration_args(record)))
         names = {DRIVER} | {t["worker_name"] for t in kept}

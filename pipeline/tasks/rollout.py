@@ -26,6 +26,7 @@ from rlhfless.ops.engine.engine_types import (
     require_version,
 )
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
+from rlhfless.ops.engine.phases import record
 from rlhfless.ops.engine.protocol import GenerationBackend
 from rlhfless.ops.engine.registry import make_engine
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
@@ -54,19 +55,24 @@ def generation_engine(spec: EngineSpec,
                       weights: WeightsRef) -> tuple[GenerationBackend, float, float]:
     """This worker's engine (awake) at ``weights.version``, and the seconds paid now: its
     cold start, and getting the version into it (fetched first where a worker holds it).
-    The call order is the engine protocol's (ops/engine/protocol.py)."""
+    The call order is the engine protocol's (ops/engine/protocol.py); the cold start and the
+    fetch are phases of the task (``ops/engine/phases.py``)."""
     cold = fetch = 0.0
     engine = _ENGINE.get(spec.model_path)
     if engine is None:
+        t0 = time.time()
         engine = make_engine(spec, engine_ram_bytes())
         engine.load()
         _ENGINE[spec.model_path] = engine
         cold = engine.load_seconds
+        record("cold_start", t0, time.time(), load_s=cold)
     engine.wake()
     if engine.version != weights.version:
-        started = time.perf_counter()
+        started, t0 = time.perf_counter(), time.time()
         engine.set_weights(local_weights(weights))
         fetch = time.perf_counter() - started
+        record("weight_fetch", t0, time.time(), version=weights.version,
+               from_worker=weights.holder is not None)
     return engine, cold, fetch
 
 

@@ -3,7 +3,9 @@ finished elastic run: the trace is valid trace-event JSON; every task the run's 
 has a span on the worker that ran it (the generate tasks on the workers the rollouts name,
 each iteration's update on the trainer, and their seconds those of the stage timings the
 runner took through ``client.get_task_stream``); the spans of a track nest and never
-overlap; each pool's busy, waiting and idle seconds add up to its worker-seconds in the
+overlap; each generation task holds its engine's phases (prefill, decode chunks), inside
+its span, and the decode spans' tokens of an iteration add up to its ``decode_tokens``;
+each pool's busy, waiting and idle seconds add up to its worker-seconds in the
 ledger, and its busy seconds are those of the trace's spans inside the iteration;
 ``rlhfless trace`` writes the iterations asked; and, on records made by hand,
 ``pool_time``'s arithmetic."""
@@ -18,7 +20,13 @@ import pytest
 
 from rlhfless.pipeline.cli import main
 from rlhfless.pipeline.report.pool_time import bound, pool_time
-from rlhfless.pipeline.report.trace import MAX_TASKS, RunTrace, read_trace, task_events
+from rlhfless.pipeline.report.trace import (
+    MAX_TASKS,
+    RunTrace,
+    read_trace,
+    task_events,
+    thinned,
+)
 
 # Timestamps are unix microseconds (~1.8e15): one float ulp there is 0.25 µs, and ts + dur
 # adds at most a few ulps, so 1 µs tells a real overlap from rounding.
@@ -91,6 +99,24 @@ def test_spans_of_a_track_nest_and_never_overlap(trace):
                 open_ends.pop()
             assert not open_ends or end <= open_ends[-1] + ULP_SLACK_US, (start, end)
             open_ends.append(end)
+
+
+def test_engine_phases_sit_in_their_task_and_add_up_to_the_runs_tokens(trace, run_records):
+    tasks = {e["args"]["key"]: e for e in trace if e["ph"] == "X" and e["cat"] == "task"}
+    phases = [e for e in trace if e["ph"] == "X" and e["cat"] == "phase"]
+    for e in phases:  # on its task's thread, inside its span
+        task = tasks[e["args"]["key"]]
+        assert (e["pid"], e["tid"]) == (task["pid"], task["tid"])
+        assert task["ts"] <= e["ts"] and e["ts"] + e["dur"] <= task["ts"] + task["dur"], e
+    decoded = {key for key, t in tasks.items() if t["name"] in ("generate", "resume")}
+    assert decoded and decoded <= {e["args"]["key"] for e in phases if e["name"] == "decode"}
+    iterations, _ = run_records
+    for m in iterations:
+        mine = [e for e in phases
+                if e["args"]["iteration"] == m["iteration"] and not e["args"]["tag"]]
+        for name in ("decode", "prefill"):
+            tokens = sum(e["args"]["tokens"] for e in mine if e["name"] == name)
+            assert tokens == m[f"{name}_tokens"] > 0, name
 
 
 def test_busy_waiting_idle_add_up_to_the_ledger(trace, run_records):
@@ -189,7 +215,8 @@ def test_a_resumed_trace_goes_on_and_a_chunk_keeps_at_most_max_tasks(tmp_path):
     starts = [e["ts"] / 1e6 for e in spans if e["args"]["iteration"] == 1]
     assert starts[0] == 0 and starts[-1] >= MAX_TASKS  # spread over the chunk, not its head
     assert [e["args"] for e in events if e["name"] == "sampled"] == [
-        {"iteration": None, "tasks": MAX_TASKS + 3, "kept": MAX_TASKS}]
+        {"iteration": None, "tasks": MAX_TASKS + 3, "kept": MAX_TASKS, "phases": 0,
+         "phases_kept": 0}]
     assert {e["args"]["policy_version"] for e in spans} == {0, 1}
 
 
@@ -202,3 +229,24 @@ def test_a_task_the_clock_correction_overlaps_starts_where_its_threads_last_ende
     spans = task_events(tasks, {})
     assert [(e["ts"], e["dur"]) for e in spans] == [(0.0, 1e6), (1e6, 0.75e6), (2e6, 0.5e6)]
     assert [e["args"].get("clock_shift_us") for e in spans] == [None, 0.25e6, None]
+
+
+def test_a_tasks_phases_sit_inside_its_span_and_a_chunk_keeps_at_most_a_bound_of_them():
+    """Phases at their offsets from the task's start, cut to its span (the worker's clock
+    starts the task a little before Dask's does); past the bound, whole tasks' phases go."""
+    task = {"key": "generate-1-0", "worker_name": "gen-0", "thread": 7,
+            "startstops": [{"action": "compute", "start": 10.0, "stop": 11.0}],
+            "phases": [["prefill", -0.25, 0.5, {"tokens": 5}],
+                       ["decode", 0.25, 0.5, {"tokens": 9}],
+                       ["decode", 0.75, 0.5, {"tokens": 3}]]}
+    span, *phases = task_events([task], {})
+    assert [(e["name"], e["ts"], e["dur"]) for e in phases] == [
+        ("prefill", 10e6, 0.25e6), ("decode", 10.25e6, 0.5e6), ("decode", 10.75e6, 0.25e6)]
+    assert all((e["pid"], e["tid"], e["args"]["key"], e["args"]["iteration"]) ==
+               (span["pid"], span["tid"], "generate-1-0", 1) for e in phases)
+    assert [e["args"]["tokens"] for e in phases] == [5, 9, 3]
+    many = [dict(task, key=f"generate-1-{k}") for k in range(10)]
+    kept = [len(t.get("phases", ())) for t in thinned(many, limit=12)]
+    assert kept == [3, 0, 0, 3, 0, 0, 3, 0, 0, 3]  # every 3rd: 30 phases over a bound of 12
+    assert len(thinned(many, limit=11)[9].get("phases", ())) == 0  # not past the bound
+    assert thinned(many, limit=30) == many
