@@ -3,7 +3,8 @@
 Plays ``--prompts`` agent episodes of two chat requests each (``two_requests`` below, written
 with the ``openai`` client) on our engine over the embedded tiny model, through the
 worker's endpoint (``ops/rollouts/agent.py``), then replays the very requests the endpoint
-recorded as two ``decode_turns`` batches of the same engine, in-process. Prints per episode
+recorded as two ``decode_turns`` batches of the same engine, in-process (the second
+continuing from the KV the engine kept of the first, as the endpoint's does). Prints per episode
 the model seconds (its requests' time at the endpoint) and the agent seconds (the rest of
 its wall time), and the endpoint's overhead: (episodes' wall − in-process seconds) / wall,
 with and without the agent process's start. The first shard of a worker starts its agent
@@ -41,15 +42,18 @@ def two_requests(client, row, model):
 
 def replay_seconds(engine, played, sampling) -> float:
     """Seconds to sample the recorded requests in-process: every episode's k-th request in
-    one batch, as the endpoint batched them."""
+    one batch, as the endpoint batched them, continuing from what the engine kept of the
+    episode's request before, as the endpoint does."""
     from rlhfless.ops.engine.engine_types import Turn
     from rlhfless.ops.engine.gen_stats import GenerationStats
 
+    kept: dict[int, object] = {}
     started = time.perf_counter()
     for k in range(max(len(calls) for _, calls in played)):
-        turns = [Turn(list(calls[k].prompt_ids), len(calls[k].samples[0][0]) or 1, i)
-                 for i, (_, calls) in enumerate(played) if len(calls) > k]
-        engine.decode_turns(turns, sampling, GenerationStats(), keep_cache=False)
+        turns = [Turn(list(calls[k].prompt_ids), len(calls[k].samples[0][0]) or 1, i,
+                      kept.get(i)) for i, (_, calls) in enumerate(played) if len(calls) > k]
+        engine.decode_turns(turns, sampling, GenerationStats(), keep_cache=True)
+        kept = {t.key: t.cache for t in turns}
     return time.perf_counter() - started
 
 

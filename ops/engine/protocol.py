@@ -133,8 +133,9 @@ class GenerationBackend(ABC):
                      on_leave: Callable[[int, list[int]], None] | None = None) -> None:
         """Sample one turn for each of ``turns`` (token-exact: the ids are the model's, never
         re-tokenized), setting each ``turn.result`` to (ids, logprobs, "stop" | "length").
-        ``on_leave(i, ids)`` is called as soon as turn ``i`` is over, while the others may
-        still decode, so that its environment step can start. ``keep_cache``: keep what the
+        ``on_leave(i, ids)`` is called as soon as turn ``i`` is over (its ``result`` and
+        ``cache`` set), while the others may still decode, so that its environment step can
+        start, or its request be answered. ``keep_cache``: keep what the
         engine can of each conversation for its next turn in ``turn.cache``."""
 
     @abstractmethod

@@ -301,11 +301,15 @@ class VLLMBackend(GenerationBackend):
         """Each turn a request of the whole conversation's ids: vLLM's prefix cache holds
         what earlier turns computed (``keep_cache`` is the engine's own: always on)."""
         self.wake()
-        outcome = run_requests(self._engine().llm_engine, [t.context for t in turns],
-                               [self._one(params, t.budget, t.key) for t in turns], stats,
-                               on_finish=on_leave, lora_request=self.lora_request)
-        for turn, result in zip(turns, outcome.results):
-            turn.result = result
+
+        def finish(i: int, result: tuple[list[int], list[float], str]) -> None:
+            turns[i].result = result
+            if on_leave is not None:
+                on_leave(i, result[0])
+
+        run_requests(self._engine().llm_engine, [t.context for t in turns],
+                     [self._one(params, t.budget, t.key) for t in turns], stats,
+                     on_finish=finish, lora_request=self.lora_request)
 
     def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
         """(seconds of ``steps`` tokens − seconds of one) / (steps − 1): the prefill out."""

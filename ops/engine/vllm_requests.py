@@ -48,11 +48,13 @@ def tokens_so_far(completion: Any) -> tuple[list[int], list[float], str]:
 
 def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
                  stats: GenerationStats, stop: StopRule | None = None,
-                 on_finish: Callable[[int, list[int]], None] | None = None,
+                 on_finish: Callable[[int, tuple[list[int], list[float], str]], None]
+                 | None = None,
                  lora_request: Any = None) -> Outcome:
     """Run one request per prompt (token ids, ``params[i]`` a vLLM ``SamplingParams`` with
     n = 1) on ``engine`` until all finish or ``stop`` fires; see the module docstring.
-    ``lora_request``: the adapter every request runs with (None: the base model)."""
+    ``lora_request``: the adapter every request runs with (None: the base model).
+    ``on_finish(i, result)``: request ``i`` finished with ``result`` (``tokens_so_far``)."""
     names = [f"rlhfless-{next(_REQUEST_IDS)}" for _ in prompts]
     index = {name: i for i, name in enumerate(names)}
     latest: list[Any] = [None] * len(prompts)
@@ -73,7 +75,7 @@ def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
                 if out.finished and not finished[i]:
                     finished[i], done = True, done + 1
                     if on_finish is not None:
-                        on_finish(i, list(out.outputs[0].token_ids))
+                        on_finish(i, tokens_so_far(out.outputs[0]))
             stats.decode_steps += 1
             if done < len(prompts) and stop is not None and (
                     done >= target or stop.interrupted()):

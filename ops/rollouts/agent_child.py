@@ -39,12 +39,26 @@ def _load(spec: str):
 
         # one context for every client: making one loads the CA bundle (~20 ms of CPU each)
         tls = ssl.create_default_context()
-        # the first client's first use imports its chat resources (~20 ms): done here
-        _ = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-",
-                          http_client=httpx.Client(verify=tls)).chat.completions
+        _warm(openai, httpx)
         return agent, openai, httpx, tls
     except BaseException as err:
         return f"agent {spec!r} cannot be loaded: {type(err).__name__}: {err}"
+
+
+def _warm(openai, httpx) -> None:
+    """One whole chat request, answered in-process: a process's first request builds the
+    client's request and response types (~10 ms of CPU), which would hold up its first
+    episode."""
+    answer = {"id": "-", "object": "chat.completion", "created": 0, "model": "-",
+              "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                           "message": {"role": "assistant", "content": "-"}}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
+    client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0,
+                           http_client=httpx.Client(transport=transport))
+    reply = client.chat.completions.create(model="-", max_tokens=1,
+                                           messages=[{"role": "user", "content": "-"}])
+    reply.choices[0].message.model_dump(exclude_none=True)
 
 
 def main() -> None:

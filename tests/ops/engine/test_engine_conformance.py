@@ -144,14 +144,19 @@ def test_set_weights_replaces_them_in_place(engine, prompts, tiny_model_dir, tmp
 def test_turns_each_get_a_result_and_leave_once(engine, prompts):
     turns = [Turn(list(ids), budget=5, key=k)
              for k, ids in enumerate(prompts.column("prompt_ids").to_pylist())]
-    left = []
-    engine.decode_turns(turns, PARAMS, GenerationStats(),
-                        on_leave=lambda i, ids: left.append((i, list(ids))))
+    left, at_leave = [], {}
+
+    def leave(i: int, ids: list[int]) -> None:
+        left.append((i, list(ids)))
+        at_leave[i] = turns[i].result  # set by then: an agent's request is answered with it
+
+    engine.decode_turns(turns, PARAMS, GenerationStats(), on_leave=leave)
     assert sorted(i for i, _ in left) == list(range(len(turns)))
     for i, turn in enumerate(turns):
         ids, lps, finish = turn.result
         assert 0 < len(ids) == len(lps) <= 5 and finish in ("stop", "length")
         assert dict(left)[i] == ids
+        assert at_leave[i] == turn.result
 
 
 def test_the_context_is_checked_and_a_step_is_timed(engine):
