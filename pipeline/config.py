@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from rlhfless.ops.engine.registry import check_engine
 from rlhfless.ops.engine.vllm_lora import check_vllm_lora
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
-from rlhfless.ops.rollouts.agent_http import check_agent_url, is_agent_url
+from rlhfless.ops.rollouts.agent_http import check_agent_url, is_agent_url, service_trust
 from rlhfless.ops.rollouts.env import BUILTIN_AGENTS, BUILTIN_ENVIRONMENTS
 from rlhfless.ops.rollouts.env_prompts import HELDOUT_SEED
 from rlhfless.schedulers.scaling_policy import ScalingKnobs
@@ -154,6 +155,7 @@ class Config:
     agent_concurrency: int = 64  # agent episodes at once per generation worker (each shard)
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
+    agent_ca_file: str = ""  # PEM: the https agent service's only authority; "": the system's
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     # episodes' credit (ops/algo/advantage.py): normalised among the group's same-index turns
@@ -416,6 +418,10 @@ class Config:
         if self.agent and (self.environment or self.environments):
             raise ConfigError(f"agent = {self.agent!r} plays its own episodes: remove "
                               "environment / environments, or the agent")
+        if self.agent_ca_file and not self.agent.lower().startswith("https://"):
+            raise ConfigError(f"agent_ca_file = {self.agent_ca_file!r} is the authority of an "
+                              f"https:// agent service; agent = {self.agent!r} is none")
+        self.agent_service_ca()  # raises for a file that cannot be read or holds no certificate
 
     @property
     def run_dir(self) -> Path:
@@ -434,6 +440,22 @@ class Config:
     def multi_turn(self) -> bool:
         """Whether rollouts are episodes: an environment, for every row or for some sources."""
         return bool(self.episode_environment or self.environments)
+
+    def agent_service_ca(self) -> str | None:
+        """The PEM text of ``agent_ca_file`` (None: unset); ``ConfigError`` when the file
+        cannot be read or holds no certificate."""
+        if not self.agent_ca_file:
+            return None
+        try:
+            text = Path(self.agent_ca_file).read_text()
+            service_trust(text)
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"agent_ca_file = {self.agent_ca_file!r} cannot be read: "
+                              f"{getattr(err, 'strerror', None) or 'not text'}") from None
+        except (ssl.SSLError, ValueError):
+            raise ConfigError(f"agent_ca_file = {self.agent_ca_file!r} holds no PEM "
+                              "certificate; give the authority's certificate as PEM") from None
+        return text
 
     def environment_routes(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """``environments`` as ``{data_source: (environment, env_kwargs)}``; ``ConfigError``

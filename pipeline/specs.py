@@ -127,7 +127,8 @@ def episode_params(cfg: Config) -> EpisodeParams | None:
 
 def agent_params(cfg: Config) -> AgentParams | None:
     """Agent episodes' settings, or None; ``agent_chat_template`` is read here, so a file
-    that cannot be read is a ``ConfigError`` before anything starts."""
+    that cannot be read is a ``ConfigError`` before anything starts; ``agent_ca_file``'s
+    text travels to the workers."""
     if not cfg.agent:
         return None
     template = None
@@ -138,7 +139,7 @@ def agent_params(cfg: Config) -> AgentParams | None:
             raise ConfigError(f"agent_chat_template = {cfg.agent_chat_template!r} cannot be "
                               f"read: {err.strerror}") from None
     return AgentParams(BUILTIN_AGENTS.get(cfg.agent, cfg.agent), cfg.agent_timeout_s,
-                       cfg.agent_concurrency, template, cfg.agent_host)
+                       cfg.agent_concurrency, template, cfg.agent_host, cfg.agent_service_ca())
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,

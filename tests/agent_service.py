@@ -2,7 +2,8 @@
 
 ``python agent_service.py [CERT KEY]`` serves on a free loopback port, which it prints as its
 first line, until it is killed (``running_service`` starts it so for a test); over HTTPS with
-the PEM files ``CERT`` and ``KEY`` when given (``self_signed`` makes a pair for 127.0.0.1).
+the PEM files ``CERT`` and ``KEY`` when given (``self_signed`` and
+``signed_by_an_authority`` make a pair for 127.0.0.1).
 Each POST is one episode (``{"row", "base_url", "api_key", "model", "ca_pem",
 "timeout_s"}``), played with the real ``openai`` client against the run's endpoint as a
 user's own service would, and answered with its reward. The path picks the agent:
@@ -73,23 +74,47 @@ class Episode(BaseHTTPRequestHandler):
 def self_signed(directory: Path) -> tuple[Path, Path]:
     """A key and a self-signed certificate for the address 127.0.0.1, as PEM files (the
     certificate is its own authority)."""
+    cert, key = _certificate("agent service", None)
+    return _write(directory, "service", cert, key)
+
+
+def signed_by_an_authority(directory: Path, name: str = "authority") -> tuple[Path, Path, Path]:
+    """An authority's certificate (``<name>.pem``) and a key and certificate for the address
+    127.0.0.1 that it signed, as PEM files: (authority, certificate, key)."""
+    ca_cert, ca_key = _certificate(f"{name} CA", None)
+    cert, key = _certificate("agent service", (ca_cert, ca_key))
+    authority, _ = _write(directory, name, ca_cert, ca_key)
+    return (authority, *_write(directory, f"{name}-service", cert, key))
+
+
+def _certificate(common_name: str, issuer) -> tuple:
+    """A certificate and its key; an authority of its own when ``issuer`` (certificate,
+    key) is None, else one for 127.0.0.1 that ``issuer`` signed."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agent service")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    issuer_name, issuer_key = (name, key) if issuer is None else (issuer[0].subject, issuer[1])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=1))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(
                 [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "service.pem", directory / "service.key"
+            .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None),
+                           critical=True)
+            .sign(issuer_key, hashes.SHA256()))
+    return cert, key
+
+
+def _write(directory: Path, stem: str, cert, key) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+
+    cert_file, key_file = directory / f"{stem}.pem", directory / f"{stem}.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                            serialization.PrivateFormat.PKCS8,

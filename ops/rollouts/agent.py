@@ -70,6 +70,7 @@ class AgentParams:
     concurrency: int = 64  # episodes at once in the agent process
     chat_template: str | None = None  # None: the tokenizer's
     host: str = "loopback"  # where the endpoint listens: loopback or worker (agent_binding.py)
+    service_ca: str | None = None  # PEM: the agent service's only authority (agent_http.py)
 
     def __post_init__(self) -> None:
         if is_agent_url(self.agent):
@@ -223,7 +224,8 @@ def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]
               "model": server.model_name, "timeout_s": params.timeout_s}
     if is_agent_url(params.agent):
         return post_episodes(params.agent, shared, episodes, params.concurrency,
-                             lambda i: server.end_episode(episodes[i]["api_key"]))
+                             lambda i: server.end_episode(episodes[i]["api_key"]),
+                             params.service_ca)
     job = shared | {"concurrency": params.concurrency, "episodes": episodes}
     waves = math.ceil(len(episodes) / params.concurrency)
     limit = params.timeout_s * waves + 30.0

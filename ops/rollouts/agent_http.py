@@ -18,9 +18,10 @@ in-process agent's failure does (``agent_child.py``). Up to ``concurrency`` epis
 flight at once. An episode over its limit is reported then and abandoned: its connection is
 closed by its own read timeout.
 
-TLS to the service: an ``https://`` URL is verified against the system's authorities as
-the worker's environment sets them (OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name
-others, such as a private authority's PEM file), with its host name checked.
+TLS to the service: an ``https://`` URL is verified, its host name checked, against the
+authority of the config's ``agent_ca_file`` alone (its PEM text, read by the driver, travels
+with the task: ``service_trust``), or without it against the system's authorities as the
+worker's environment sets them (OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``).
 """
 
 from __future__ import annotations
@@ -57,12 +58,23 @@ def check_agent_url(agent: str) -> None:
                          "with a host, e.g. 'http://127.0.0.1:8000/episode'")
 
 
+def service_trust(ca_pem: str | None) -> ssl.SSLContext:
+    """``verify`` of the client to an agent service: the authority ``ca_pem`` alone (an
+    ``ssl.SSLError`` or ``ValueError`` when it holds no PEM certificate), or the system's."""
+    if ca_pem is None:
+        return ssl.create_default_context()
+    if "-----BEGIN CERTIFICATE-----" not in ca_pem:
+        raise ValueError("no PEM certificate")
+    return ssl.create_default_context(cadata=ca_pem)
+
+
 def post_episodes(url: str, job: dict, episodes: list[dict], concurrency: int,
-                  on_end: Callable[[int], None]) -> list[dict]:
+                  on_end: Callable[[int], None], service_ca: str | None = None) -> list[dict]:
     """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from the
     service at ``url``: ``job`` holds what every episode's body shares (base URL, model,
     ``ca_pem``, ``timeout_s``), each of ``episodes`` its ``row`` and ``api_key``;
-    ``on_end(i)`` is called as soon as episode ``i`` is over."""
+    ``on_end(i)`` is called as soon as episode ``i`` is over; ``service_ca``: the PEM text
+    of the only authority the service's certificate may chain to (None: the system's)."""
     import httpx  # here: the config checks an agent's URL without the HTTP client
 
     timeout_s = float(job["timeout_s"])
@@ -79,7 +91,7 @@ def post_episodes(url: str, job: dict, episodes: list[dict], concurrency: int,
                 all_done.set()
         on_end(i)
 
-    client = httpx.Client(verify=ssl.create_default_context(), timeout=timeout_s,
+    client = httpx.Client(verify=service_trust(service_ca), timeout=timeout_s,
                           limits=httpx.Limits(max_connections=concurrency))
 
     overran = f"TimeoutError: the episode ran over {timeout_s:g} s"

@@ -181,6 +181,14 @@ def cli_as_another_user(cwd: Path, argv: list[str]) -> subprocess.CompletedProce
      "config error: rewards.tally = 'good_reward:CONSTANT' is a float, not a function"),
     (["--set", "default_reward='good_reward:score'"],
      "config error: default_reward = 'good_reward:score' is not a verifier"),
+    (["--set", "agent='https://127.0.0.1:9/episode'", "--set", "agent_ca_file='ca.pem'"],
+     "config error: agent_ca_file = 'ca.pem' cannot be read: No such file or directory"),
+    (["--set", "agent='https://127.0.0.1:9/episode'",
+      "--set", "agent_ca_file='good_reward.py'"],
+     "config error: agent_ca_file = 'good_reward.py' holds no PEM certificate"),
+    (["--set", "agent='tally-agent'", "--set", "agent_ca_file='good_reward.py'"],
+     "config error: agent_ca_file = 'good_reward.py' is the authority of an https:// agent "
+     "service; agent = 'tally-agent' is none"),
     (["--set", "runs_dir='precious/thesis.tex/runs'"],
      "cannot create run directory precious/thesis.tex/runs/fresh: Not a directory; choose a "
      "writable runs_dir"),

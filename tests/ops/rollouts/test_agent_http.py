@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from agent_service import running_service, self_signed
+from agent_service import running_service, self_signed, signed_by_an_authority
 
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
@@ -78,6 +78,25 @@ def test_an_https_service_is_verified_against_the_authorities_the_worker_trusts(
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         table, stats = _episodes(engine, make_prompts(TEXTS[:1]), f"{url}/two-turns")
     assert stats.env_errors == 0 and set(table.column("turns").to_pylist()) == {2}
+
+
+def test_an_https_service_is_verified_against_the_configured_authority_alone(
+        engine, make_prompts, tmp_path):
+    """``agent_ca_file``'s PEM (``AgentParams.service_ca``): a service whose certificate that
+    authority signed runs its episodes; another authority's certificate, or none configured
+    (the system's authorities), is refused."""
+    authority, cert, key = signed_by_an_authority(tmp_path)
+    other, _, _ = signed_by_an_authority(tmp_path, "other")
+    with running_service((cert, key)) as url:
+        runs = {ca: _episodes(engine, make_prompts(TEXTS[:1]), f"{url}/two-turns",
+                              service_ca=ca and ca.read_text())
+                for ca in (authority, other, None)}
+    table, stats = runs[authority]
+    assert stats.env_errors == 0 and set(table.column("turns").to_pylist()) == {2}
+    for refused in (other, None):
+        table, stats = runs[refused]
+        assert stats.env_errors == 2
+        assert all("CERTIFICATE_VERIFY_FAILED" in r["env_error"] for r in table.to_pylist())
 
 
 @pytest.mark.parametrize("agent, said", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-from agent_service import running_service
+from agent_service import running_service, signed_by_an_authority
 
 from rlhfless.pipeline.config import Config, ConfigError
 from rlhfless.pipeline.specs import agent_params
@@ -37,12 +37,15 @@ def test_an_agent_run_trains_on_its_trajectories(tiny_model_dir, tmp_path):
     assert {r["worker"] for r in rows} <= {"gen-0", "gen-1"}
 
 
-def test_an_agent_service_over_http_trains_the_tool_task(tiny_model_dir, tmp_path):
-    """The tool task's agent as a service in another process (``tests/agent_service.py``):
-    each episode POSTed to it, its requests served by the worker's endpoint."""
-    with running_service() as url:
+def test_an_agent_service_over_https_trains_the_tool_task(tiny_model_dir, tmp_path):
+    """The tool task's agent as a service in another process (``tests/agent_service.py``),
+    over HTTPS with a certificate of a private authority (``agent_ca_file``): each episode
+    POSTed to it, its requests served by the worker's endpoint."""
+    authority, cert, key = signed_by_an_authority(tmp_path)
+    with running_service((cert, key)) as url:
         cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="service",
-                     agent=f"{url}/tally", iterations=2, batch_prompts=2, n_samples=2,
+                     agent=f"{url}/tally", agent_ca_file=str(authority),
+                     iterations=2, batch_prompts=2, n_samples=2,
                      max_new_tokens=8, heldout_prompts=2, eval_every=100,
                      checkpoint_every=100, gen_workers=1, train_threads=1, agent_timeout_s=30)
         run = train(cfg, progress=False, log=lambda *_: None)
