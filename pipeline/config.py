@@ -248,6 +248,10 @@ class Config:
     # stall_timeout_factor x its predicted duration + min_stall_s is a lost worker: restarted
     stall_timeout_factor: float = 10.0  # stall deadline / predicted duration (generous)
     min_stall_s: float = 120.0  # floor of the stall deadline: a first task has no prediction
+    # a worker with no heartbeat for worker_ttl_s is lost, whatever its tasks' deadlines
+    worker_ttl_s: float = 300.0  # >= min_stall_s; Dask's worker-ttl too (its default)
+    # Dask's comm timeouts connect and tcp: a host cut off loses its connections by then
+    connect_timeout_s: float = 30.0  # s a connection may take to open or go unacknowledged
     scheduler_host: str = "127.0.0.1"  # where the scheduler listens (never all, unless asked)
     dashboard: bool = False  # serve Dask's dashboard: plain HTTP any local user can read
     dashboard_address: str = "127.0.0.1:0"  # where it listens when dashboard = true
@@ -331,6 +335,11 @@ class Config:
         if self.tiny_context < 0:
             raise ConfigError(f"tiny_context = {self.tiny_context} must be >= 0 (0: the tiny "
                               "model's context as built)")
+        if not self.connect_timeout_s >= 11 or not self.worker_ttl_s >= self.min_stall_s:
+            raise ConfigError(f"connect_timeout_s = {self.connect_timeout_s} must be >= 11 (Dask "
+                              "probes a silent connection 10 times, a second apart at least) "
+                              f"and worker_ttl_s = {self.worker_ttl_s} >= min_stall_s = "
+                              f"{self.min_stall_s} (the stall deadline's floor)")
 
     def _check_algorithm(self) -> None:
         if self.turn_credit not in ("episode", "return_to_go"):

@@ -78,6 +78,9 @@ class Pool:
     # code, so that its worker process imports torch and transformers while the other pools'
     # workers do, not when its first task arrives
     preload: tuple[str, ...] = ()
+    # environment every worker starts with besides WORKER_ENV: the run's Dask bounds
+    # (``supervise.dask_environment``), which a worker on another host reads only there
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def scheduler_http(dashboard: bool) -> AbstractContextManager:
@@ -229,7 +232,7 @@ class LocalDeployment(Deployment):
             "resources": dict(pool.resources),
             "memory_limit": pool.memory,
             "silence_logs": logging.WARNING,
-            "env": {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV},
+            "env": {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV, **pool.env},
             "preload": list(pool.preload),
         }}
 
@@ -310,7 +313,7 @@ class JobQueueDeployment(Deployment):
                        *(arg for module in pool.preload for arg in ("--preload", module))]
         if resources:
             worker_args = ["--resources", resources, *worker_args]
-        env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV, **MALLOC_ENV}
+        env = {"OMP_NUM_THREADS": str(pool.threads), **WORKER_ENV, **MALLOC_ENV, **pool.env}
         options: dict[str, Any] = {
             "cores": pool.threads,
             "memory": pool.memory,

@@ -34,6 +34,7 @@ from rlhfless.schedulers.pool_split import PoolSplit, split_for_overlap
 
 from ..config import Config
 from .deploy import Deployment, LocalDeployment, Pool
+from .supervise import dask_bounds, dask_environment
 
 # the task modules each pool's workers import as they start, before any task: every module
 # whose tasks they run, so that no task's unpickling imports a framework while a task thread
@@ -54,13 +55,15 @@ def gen_tasks(backend: str) -> tuple[str, ...]:
 def pools_from_config(cfg: Config, elastic: bool = False) -> list[Pool]:
     """The generation pool and the trainer (``train_workers`` ranks); an elastic generation
     pool starts with one worker and grows as the policy decides. Each pool's worker imports
-    its task modules as it starts (``Pool.preload``)."""
+    its task modules as it starts (``Pool.preload``) and reads the run's Dask bounds from its
+    environment (``Pool.env``)."""
+    env = dask_environment(dask_bounds(cfg.worker_ttl_s, cfg.connect_timeout_s))
     return [
         Pool("gen", 1 if elastic else cfg.gen_workers, cfg.gen_threads, {"GEN": 1},
              cfg.worker_memory, cfg.gen_gpus, tuple(cfg.gen_job_directives),
-             preload=gen_tasks(cfg.backend)),
+             preload=gen_tasks(cfg.backend), env=env),
         Pool("train", cfg.train_workers, cfg.train_threads, {"TRAIN": 1}, cfg.worker_memory,
-             cfg.train_gpus, tuple(cfg.train_job_directives), preload=TRAIN_TASKS),
+             cfg.train_gpus, tuple(cfg.train_job_directives), preload=TRAIN_TASKS, env=env),
     ]
 
 

@@ -1,6 +1,6 @@
 """Supervision of a run's workers: a stalled task is a lost worker, a failed task is told once.
 
-``supervise(pc, cfg)`` installs, on the run's cluster:
+``supervise(pc, factor, floor_s, ttl_s)`` installs, on the run's cluster:
 
 * ``StallWatch`` (scheduler plugin): every ``CHECK_S`` it looks at each decoding task
   (stages ``WATCHED``: a chunk, a resumed, adopted or moved tail) that its worker's last
@@ -26,7 +26,9 @@
   stops them with everything else; so does a host whose link is cut) is removed from the
   scheduler once its silence passes the deadline of the decoding task it was given, or
   ``min_stall_s`` whatever it holds (a silent worker holding finished results would hold
-  up the driver as surely), well before Dask's own worker TTL of minutes: its tasks and
+  up the driver as surely), and at ``worker_ttl_s`` (Dask's worker TTL, which the run sets
+  to it) whatever its task's deadline, checked every ``CHECK_S`` where Dask checks every
+  TTL and then waits on the nanny of a host that may not answer: its tasks and
   results are computed again elsewhere at once, and its nanny is then told to kill and
   restart it (a stopped process comes back; the nanny of a host cut off cannot be
   reached, and waiting ``RESTART_WAIT_S`` for it held the iteration that much longer).
@@ -34,6 +36,12 @@
   Dask's "Compute Failed" log block silenced: every failed task reaches the driver, which
   either recovers from it or ends the run in one line (``cli.py``; ``--debug`` shows the
   traceback).
+
+``dask_bounds(worker_ttl_s, connect_timeout_s)`` is the Dask config the run sets in the
+driver (its scheduler, client and local workers) and ``dask_environment`` the same as the
+variables every worker starts with (``Pool.env``; a worker on another host reads it only
+there): the worker TTL, and every process's comm timeouts (a connection that does not open,
+or an open one whose peer stops acknowledging, fails after ``connect_timeout_s``).
 
 ``drain_stalls(pc)`` hands the driver the records of the workers restarted since the last
 call (the loop writes them to metrics.jsonl as ``event = "stall"`` and says one line each).
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from distributed.core import rpc
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
@@ -63,8 +72,8 @@ class StallWatch(SchedulerPlugin):
 
     name = "rlhfless-stall-watch"
 
-    def __init__(self, factor: float, floor_s: float) -> None:
-        self.factor, self.floor_s = factor, floor_s
+    def __init__(self, factor: float, floor_s: float, ttl_s: float) -> None:
+        self.factor, self.floor_s, self.ttl_s = factor, floor_s, ttl_s
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -114,13 +123,16 @@ class StallWatch(SchedulerPlugin):
 
     def _check_silence(self, now: float, address: str, ws) -> None:
         """A worker that sent no heartbeat past the deadline of a decoding task it was given
-        (or past ``floor_s``, whatever it holds) is stopped or hung: restarted, its task
-        and its results computed again elsewhere. Its beats cannot tell: none arrive."""
+        (or past ``floor_s``, whatever it holds; past ``ttl_s`` whatever its task's) is
+        stopped, hung or cut off: removed, its task and its results computed again
+        elsewhere, and restarted where its nanny answers. Its beats cannot tell: none
+        arrive."""
         silent = now - ws.last_seen
         if silent <= self.floor_s or address in self.restarting:
             return
         tasks = [ts for ts in ws.processing if stage_of(ts.key) in WATCHED]
-        deadline = max((self.deadline_s(ts) for ts in tasks), default=self.floor_s)
+        deadline = min(max((self.deadline_s(ts) for ts in tasks), default=self.floor_s),
+                       self.ttl_s)
         if silent <= deadline:
             return
         self.restarting.add(address)
@@ -177,11 +189,26 @@ class WorkerHooks(WorkerPlugin):
         logging.getLogger("distributed.worker").addFilter(_quiet)
 
 
-def supervise(pc, factor: float, floor_s: float) -> None:
+def supervise(pc, factor: float, floor_s: float, ttl_s: float) -> None:
     """Install ``StallWatch`` and ``WorkerHooks`` on the cluster of ``pc`` (a PoolCluster)."""
     logging.getLogger("distributed.nanny").addFilter(_quiet)  # local nannies: this process
     pc.client.register_plugin(WorkerHooks())
-    pc.client.register_plugin(StallWatch(factor, floor_s))
+    pc.client.register_plugin(StallWatch(factor, floor_s, ttl_s))
+
+
+def dask_bounds(worker_ttl_s: float, connect_timeout_s: float) -> dict[str, str]:
+    """Dask's config of a run's bounds on a silent host: the scheduler's worker TTL, and
+    how long a connection may take to open (``connect``) or, open, go unacknowledged
+    (``tcp``: the socket's TCP_USER_TIMEOUT and keepalive) before it fails."""
+    return {"distributed.scheduler.worker-ttl": f"{worker_ttl_s:g}s",
+            "distributed.comm.timeouts.connect": f"{connect_timeout_s:g}s",
+            "distributed.comm.timeouts.tcp": f"{connect_timeout_s:g}s"}
+
+
+def dask_environment(config: Mapping[str, str]) -> dict[str, str]:
+    """``config`` (dotted Dask keys) as the ``DASK_*`` variables a new process reads."""
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value
+            for key, value in config.items()}
 
 
 def drain_stalls(pc) -> list[dict]:

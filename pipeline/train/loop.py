@@ -28,10 +28,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import dask
 from tqdm.auto import tqdm
 
 from ..cluster.pools import PoolCluster, fit_overlap, pools_from_config
-from ..cluster.supervise import drain_stalls, supervise
+from ..cluster.supervise import dask_bounds, drain_stalls, supervise
 from ..config import Config
 from ..durable import checkpoint as ckpt
 from ..durable.recovery import Durable, open_run
@@ -111,11 +112,12 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
     specs, sampler, ledger, scaling = parts.specs, parts.sampler, parts.ledger, parts.scaling
     heldout, weights = parts.heldout, parts.weights
     pools = pools_from_config(cfg, elastic=cfg.policy == "elastic")
-    with (PoolCluster(pools, ledger, deployment=parts.deployment) as pc,
+    with (dask.config.set(dask_bounds(cfg.worker_ttl_s, cfg.connect_timeout_s)),
+          PoolCluster(pools, ledger, deployment=parts.deployment) as pc,
           observed(run, pc.dashboard_link, on_metrics)):
         if pc.dashboard_link:
             log(f"dashboard: {pc.dashboard_link} (plain HTTP: any user of this host may read it)")
-        supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s)
+        supervise(pc, cfg.stall_timeout_factor, cfg.min_stall_s, cfg.worker_ttl_s)
         stream, trace = TaskStream(pc.client), RunTrace(run.path / "trace.json", resume=resume)
         generation = (ElasticGeneration(pc, cfg, run, scaling, parts.rest_workers)
                       if cfg.policy == "elastic" else GraphGeneration(pc, cfg, run, scaling))

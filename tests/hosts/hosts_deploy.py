@@ -66,7 +66,8 @@ class HostWorker(ProcessInterface):
         self.pool, self.security, self.logs = pool, security, logs
 
     async def start(self) -> None:
-        env = {"OMP_NUM_THREADS": str(self.pool.threads), **WORKER_ENV, **MALLOC_ENV}
+        env = {"OMP_NUM_THREADS": str(self.pool.threads), **WORKER_ENV, **MALLOC_ENV,
+               **self.pool.env}
         argv = ["env", *(f"{k}={v}" for k, v in env.items()),
                 *worker_argv(self.scheduler, self.name, self.pool, self.security,
                              self.logs / self.name)]

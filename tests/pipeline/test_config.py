@@ -36,6 +36,8 @@ def test_defaults_and_overrides(tmp_path):
         ("walltime='tomorrow'", ["walltime = 'tomorrow'", "HH:MM:SS"]),
         ("min_stall_s=0", ["min_stall_s", "> 0"]),
         ("stall_timeout_factor=-1", ["stall_timeout_factor", "> 0"]),
+        ("worker_ttl_s=60", ["worker_ttl_s = 60", ">= min_stall_s = 120"]),
+        ("connect_timeout_s=5", ["connect_timeout_s = 5", ">= 11"]),
         ("job_start_timeout_s=0", ["job_start_timeout_s", "> 0"]),
         ("agent_host=everywhere", ["agent_host = 'everywhere' is not allowed", "'loopback'",
                                    "'worker'"]),

@@ -83,6 +83,8 @@ def test_config_selects_the_deployment_and_builds_pools(tmp_path):
     assert "#SBATCH --gres=gpu:2" in header and "#SBATCH --exclusive" in header
     assert "#SBATCH -p debug" in header and "#SBATCH -t 00:20:00" in header
     assert f"--preload {gen.preload[0]}" in header[-1]  # its task module, before it registers
+    assert "export DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL=300s" in header  # the run's bounds
+    assert "export DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP=30s" in header
     assert isinstance(deployment_from_config(Config(), tmp_path), LocalDeployment)
 
 
