@@ -6,8 +6,8 @@ For each model size (``--models``: the embedded ``tiny`` model and bench-size va
 ``ops/toy/benchmodel.py``), one pool of 2 generation workers x 1 torch thread:
 
 1. warm both workers (model load outside the measurement) and measure the decode step
-   profile reconfiguration decides from (``tail.measure_profile``: 1 thread on both workers
-   at once, 2 threads on one alone; a reconfiguration must pay by its medians and by each
+   profile reconfiguration decides from (``measure_step_profile``: 1 thread on both
+   workers at once, 2 threads on one alone; a reconfiguration must pay by its medians and by each
    of its repeats);
 2. run the same prompts (``LongTailTallyTask``: most lists 2-5 items, a tenth 18-24)
    under each tail mode of ``bench/tail_harness.py``, regrowing and warming the pool between
@@ -43,7 +43,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 import torch
-from tail_harness import MODES, TailModels, measure_profile, run_tail
+from tail_harness import MODES, TailModels, run_tail
 from transformers import AutoTokenizer
 
 from rlhfless.ops.data.load import read_prompts
@@ -59,6 +59,7 @@ from rlhfless.pipeline.tasks.tail import (
     export_tail_task,
     move_actual_s,
 )
+from rlhfless.pipeline.train.step_profile import measure_step_profile
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, TransferModel, latency_bound
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -179,7 +180,7 @@ def bench_model(name: str, args, prompts_rows: list[dict]) -> dict:
                  "kv_bytes_per_token": kv_bytes_per_token(path, itemsize)}
     with PoolCluster([Pool("gen", WORKERS, 1, {"GEN": 1}, "4GiB")], ledger) as pc:
         names = warm(pc, spec, weights, prompts.slice(0, 1))
-        profile = measure_profile(pc, names, spec, weights, PROFILE_BATCHES, PROFILE_STEPS,
+        profile = measure_step_profile(pc, names, spec, weights, PROFILE_BATCHES, PROFILE_STEPS,
                                   prompt_tokens=PROFILE_PROMPT_TOKENS)
         models = TailModels(KvCosts(ThroughputModel(), TransferModel(),
                                     out["kv_bytes_per_token"]), profile)

@@ -44,7 +44,6 @@ from rlhfless.pipeline.tasks.tail import (
     adopt_tails_task,
     export_tail_task,
     move_actual_s,
-    profile_steps_task,
     set_threads_task,
     split_tail_task,
 )
@@ -62,27 +61,6 @@ class TailModels:
     kv: KvCosts  # transfer vs recompute, and what each move taught it
     profile: StepProfile | None = None
     moves: list[dict] = field(default_factory=list)
-
-
-def measure_profile(pc: PoolCluster, names: list[str], spec: GenSpec, weights: WeightsRef,
-                    batches: tuple[int, ...], steps: int = 16, repeats: int = 5,
-                    prompt_tokens: int = 48) -> StepProfile:
-    """The decode step profile that ``reconfig`` decides from, measured on the pool at start
-    as each side of the decision runs: the pool's threads on every worker of ``names`` at
-    once (staying, they share the machine's memory bandwidth and caches), and all their
-    threads on one worker while the others idle (the consolidated tail, the others
-    released); ``steps``, ``repeats`` and ``prompt_tokens`` as ``profile_steps_task``'s."""
-    c, threads = pc.client, pc.pools["gen"].threads
-    first = pc.address_of(names[0])
-    shared = [c.submit(profile_steps_task, spec, weights, batches, (threads,), steps,
-                       repeats=repeats, prompt_tokens=prompt_tokens,
-                       workers=[pc.address_of(n)], pure=False) for n in names]
-    stay = shared[0].result()
-    wait(shared)
-    wide = c.submit(profile_steps_task, spec, weights, batches, (threads * len(names),), steps,
-                    repeats=repeats, prompt_tokens=prompt_tokens, workers=[first],
-                    pure=False).result()
-    return StepProfile(stay | wide)
 
 
 def _pairs(table: pa.Table) -> list[tuple[str, int]]:

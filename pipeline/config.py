@@ -22,7 +22,8 @@ from typing import Any, get_type_hints
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
 
-from rlhfless.ops.engine.registry import check_engine
+from rlhfless.ops.engine.engine_types import TAIL_ACTIONS
+from rlhfless.ops.engine.registry import check_engine, engine_class
 from rlhfless.ops.engine.vllm_lora import check_vllm_lora
 from rlhfless.ops.rollouts.adapters import DATASET_ADAPTERS, adapter_of
 from rlhfless.ops.rollouts.agent_binding import AGENT_HOSTS
@@ -53,6 +54,7 @@ CHOICES = {
     "overlap_pools": ("fit_cores", "as_set"),
     "weight_store": ("run", "cluster"),
     "emulate_workload": tuple(WORKLOADS),
+    "tail_action": ("auto", *TAIL_ACTIONS),
 }
 
 KNOBS = ScalingKnobs()
@@ -224,6 +226,9 @@ class Config:
     # the knobs of schedulers/scaling_policy.py ScalingKnobs, with its defaults and reasons
     lambda_cost: float = KNOBS.lambda_cost
     tau: float = KNOBS.tau
+    # the pool's paused tails at tau: the policy chooses (docs/long-tail.md), or one action
+    # forced whatever it costs: stay | kv | recompute (every tail moves) | split | reconfig
+    tail_action: str = "auto"  # auto, or an action the backend can take, at every pause
     assignment: str = KNOBS.assignment
     keep_alive_s: float = KNOBS.keep_alive_s
     ewma_alpha: float = KNOBS.ewma_alpha
@@ -394,6 +399,11 @@ class Config:
             raise ConfigError(f"lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), with "
                               "lora_alpha > 0 and at least one of lora_target_modules")
         one_line(check_engine, self.backend, self.gen_dtype)
+        if self.tail_action != "auto":
+            actions = engine_class(self.backend).tail_actions  # imports the engine's module
+            if self.tail_action not in actions:
+                raise ConfigError(f"tail_action = {self.tail_action!r}: backend "
+                                  f"{self.backend!r} can take {', '.join(sorted(actions))}")
         if self.lora_rank and self.backend == "vllm":
             try:
                 check_vllm_lora(self.lora_rank, self.lora_target_modules)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ITERATION_STAGES = ("dedup", "shard", "generate", "reward", "advantage", "update", "publish")
-TAIL_STAGES = ("resume", "continue", "export", "take", "adopt")  # a paused tail's tasks
+TAIL_STAGES = ("resume", "continue", "export", "take", "split", "adopt")  # a paused tail's tasks
 # one colour per iteration stage, shared by the rendered graph and the report's plots
 STAGE_COLOURS = dict(zip(ITERATION_STAGES, ("#8dd3c7", "#ffffb3", "#fb8072", "#80b1d3",
                                             "#fdb462", "#b3de69", "#bc80bd")))

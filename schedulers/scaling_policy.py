@@ -54,7 +54,8 @@ from .assignment import assign_by_length
 from .migration import Migration, WorkerProgress, plan_migration, tail_batch
 from .predictor import LengthPredictor, remaining_tokens
 from .scaling import Assign, ScalingDecision, choose_generation_workers, round_robin
-from .tail_cost import KvChoice, KvCosts, TransferModel
+from .tail_choice import Tail, TailChoice, choose_tail
+from .tail_cost import KvChoice, KvCosts, StepProfile, TransferModel
 from .throughput import ThroughputModel
 
 ASSIGNMENTS = ("length", "round_robin", "replay")
@@ -138,6 +139,9 @@ class ScalingPolicy:
         self.update_seconds = 0.0  # EWMA of the seconds after generation (0: none seen yet)
         self.planned_generation_s = 0.0  # the last plan's predicted generation seconds
         self.seen_cold_starts = 0  # cold starts already fed to the throughput model
+        # decode step seconds by batch x threads, measured by the run on its pool (the
+        # tail decision's clock; None until measured: then tails only stay or move)
+        self.step_profile: StepProfile | None = None
 
     # ---- plan --------------------------------------------------------------------------
 
@@ -211,6 +215,23 @@ class ScalingPolicy:
         whichever is predicted faster (``tail_cost.choose_kv_path``)."""
         return self.kv.choose(context_tokens)
 
+    def choose_tail(self, progress: Mapping[str, WorkerProgress], tails: Mapping[str, Tail],
+                    threads: Mapping[str, int], supported: frozenset[str],
+                    kv_transfer: bool, force: str = "") -> TailChoice:
+        """Stay, move, split or reconfigure the pool's paused ``tails`` (``tail_choice``),
+        timed by ``step_profile``; ``progress``: every worker's, as ``migrate`` reads it
+        (the workers of ``threads`` without a tail are idle); ``kv_transfer``: a moved
+        context may travel as its KV cache; ``force``: an engine tail action to take
+        whatever it costs ("": choose)."""
+        def move_s(tokens: int) -> float:
+            choice = self.kv_path(tokens)
+            return choice.predicted_s if kv_transfer else choice.recompute_s
+
+        migrations = [] if force else self.migrate(progress, kv_transfer=kv_transfer)
+        idle = [w for w in threads if w not in tails]
+        return choose_tail(tails, idle, threads, self.step_profile, supported, migrations,
+                           move_s, force)
+
     # ---- idle workers ------------------------------------------------------------------
 
     def keep_alive_s(self, restart_s: float | None = None) -> float:
@@ -272,6 +293,10 @@ class ScalingPolicy:
                 if steps:
                     self.observe_decode(stats.decode_tokens / steps,
                                         stats.decode_seconds / steps, n_steps=steps)
+                    if self.step_profile is not None:  # at the pool's own threads
+                        self.step_profile.observe(stats.decode_tokens / steps,
+                                                  self.step_profile.threads[0],
+                                                  stats.decode_seconds / steps)
                 if stats.prefill_tokens and stats.prefill_seconds:
                     self.observe_prefill(stats.prefill_tokens, stats.prefill_seconds)
                 if stats.episodes is not None:  # multi-turn or agent episodes

@@ -170,6 +170,16 @@ class StepProfile:
             self.points[threads] = tuple(np.array(sorted(points), dtype=np.float64).T)
         self.noise = max((max(v) - min(v)) / (2 * float(np.median(v)))
                          for v in self.measured.values())
+        self.scale = 1.0  # measured steps / profiled ones since (``observe``), every point
+
+    def observe(self, batch: float, threads: int, step_s: float, alpha: float = 0.5) -> None:
+        """A decode loop's own mean step (``step_s`` at mean live ``batch``, ``threads``):
+        every point is rescaled towards it (an EWMA of measured / profiled), so the profile
+        follows the machine as the run goes on while keeping its measured shape."""
+        if threads not in self.points or not (step_s > 0 and batch > 0):
+            return
+        ratio = step_s / float(self.step_seconds(batch, threads) / self.scale)
+        self.scale = alpha * ratio + (1.0 - alpha) * self.scale
 
     @property
     def threads(self) -> list[int]:
@@ -178,7 +188,10 @@ class StepProfile:
     def repeats(self) -> list[StepProfile]:
         """One profile per repeat: the ``i``-th sample of every point."""
         n = min(len(v) for v in self.measured.values())
-        return [StepProfile({k: [v[i]] for k, v in self.measured.items()}) for i in range(n)]
+        out = [StepProfile({k: [v[i]] for k, v in self.measured.items()}) for i in range(n)]
+        for p in out:
+            p.scale = self.scale
+        return out
 
     def sooner_in_repeats(self, finish: Callable[[StepProfile], tuple[float, float]]) -> int:
         """In how many of ``repeats()`` a change finishes sooner than staying; ``finish(p)``:
@@ -196,7 +209,8 @@ class StepProfile:
         b, s = self.points[threads]
         x = np.asarray(batch, dtype=np.float64)
         slope = max(0.0, float((s[-1] - s[-2]) / (b[-1] - b[-2])))
-        return np.where(x > b[-1], s[-1] + slope * (x - b[-1]), np.interp(x, b, s))
+        return self.scale * np.where(x > b[-1], s[-1] + slope * (x - b[-1]),
+                                     np.interp(x, b, s))
 
     def decode_seconds(self, remaining: Sequence[float], threads: int, workers: int = 1
                        ) -> float:
@@ -222,7 +236,7 @@ class StepProfile:
         return float(self.step_seconds(batch, 1) / self.step_seconds(workers * batch, workers))
 
     def to_record(self) -> dict:
-        return {"noise": self.noise,
+        return {"noise": self.noise, "scale": self.scale,
                 "median_s": {f"{b}x{t}": float(np.median(v))
                              for (b, t), v in self.measured.items()},
                 "half_range": {f"{b}x{t}": (max(v) - min(v)) / (2 * float(np.median(v)))

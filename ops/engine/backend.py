@@ -21,7 +21,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .engine_types import Chunk, EngineSpec, SamplingParams, StopRule, Turn, WeightsRef
+from .engine_types import (
+    TAIL_ACTIONS,
+    Chunk,
+    EngineSpec,
+    SamplingParams,
+    StopRule,
+    Turn,
+    WeightsRef,
+)
 from .gen_stats import GenerationStats
 from .generate import (
     Decoding,
@@ -90,6 +98,7 @@ class HFBackend(GenerationBackend):
     """transformers model + our decode loop; see the module docstring."""
 
     exports_kv = True
+    tail_actions = frozenset(TAIL_ACTIONS)
     dtypes = DTYPES
 
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,

@@ -66,6 +66,13 @@ def check_limit(longest: int, limit: int | None) -> None:
         )
 
 
+#: what the elastic policy may do with a paused tail (``GenerationBackend.tail_actions``):
+#: resume it in place; move it with its KV cache, or recomputed; split it (the worker
+#: predicted last sheds sequences to the one predicted first); reconfigure (every tail
+#: consolidated onto one engine made wider: more threads on a CPU, a larger TP on GPUs)
+TAIL_ACTIONS = ("stay", "kv", "recompute", "split", "reconfig")
+
+
 @dataclass(frozen=True)
 class StopRule:
     """When ``generate_until`` stops: once ``until_finished`` of the sequences are done, or

@@ -62,6 +62,11 @@ class GenerationBackend(ABC):
     #: whether a paused decoding can leave with its KV cache (``export_paused``/``adopt``);
     #: otherwise a move recomputes the context on its target (``continue_rows``)
     exports_kv: bool = False
+    #: what the elastic policy may do with this engine's paused tails (``TAIL_ACTIONS``):
+    #: every engine resumes in place and recomputes a moved tail; "kv", "split" (part of a
+    #: paused batch leaves, the rest resumes) and "reconfig" (tails consolidated onto one
+    #: engine that decodes with more threads) need ``export_paused``/``adopt``
+    tail_actions: frozenset[str] = frozenset({"stay", "recompute"})
     #: the weight dtypes ``EngineSpec.dtype`` may name for this engine ("auto": its choice)
     dtypes: tuple[str, ...] = ("auto",)
     #: whether generating takes this machine's cores (false for an engine that only sleeps

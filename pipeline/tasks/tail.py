@@ -21,8 +21,9 @@ decoding there, which ``resume_adopted_task`` finishes once the adoption is done
 ``tail_cost.KvCosts`` learns from).
 
 Once step 2 is done the tail lives on the target alone: the driver drops the export's
-future and the source may be retired or die without loss. ``set_threads_task`` changes
-the torch threads of a worker (reconfiguration: a consolidated tail decodes wider), and
+future and the source may be retired or die without loss. ``resume_wide_task`` finishes a
+consolidated tail with more torch threads (reconfiguration), ``set_threads_task`` changes
+a worker's threads, and
 ``profile_steps_task`` measures its decode step time by batch and threads.
 """
 
@@ -129,6 +130,18 @@ def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Gene
     """On the target: finish the decoding ``adopt_tails_task`` paused here (its ``facts``,
     which make this task wait for the adoption)."""
     return resume_task(facts["key"], weights, spec)
+
+
+def resume_wide_task(facts: dict, weights: WeightsRef, spec: GenSpec,
+                     threads: int) -> Generated:
+    """On a reconfiguration's target: finish the consolidated decoding that
+    ``adopt_tails_task`` paused here with ``threads`` torch threads, then give the worker
+    its own threads back."""
+    before = set_threads_task(threads)
+    try:
+        return resume_adopted_task(facts, weights, spec)
+    finally:
+        torch.set_num_threads(before)
 
 
 def move_actual_s(path: str, facts: dict) -> float:

@@ -65,6 +65,7 @@ from ..config import Config
 from ..durable.runs import RunDir
 from .elastic_round import ElasticRound
 from .generation import Generating, Generation
+from .step_profile import measure_step_profile
 
 
 class ElasticGeneration(Generation):
@@ -81,6 +82,10 @@ class ElasticGeneration(Generation):
         # an engine that cannot export its KV (vllm, the emulated one) moves by recompute
         self.kv_moves = engine_class(cfg.backend).exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
+        # what the policy may do with paused tails; split and reconfiguration are timed by
+        # a step profile the run measures on its pool (``step_profile.py``)
+        self.tail_actions = engine_class(cfg.backend).tail_actions
+        self.force_tail = "" if cfg.tail_action == "auto" else cfg.tail_action
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -131,6 +136,9 @@ class ElasticGeneration(Generation):
         if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
             self.scaling.kv.kv_bytes_per_token = engine_class(
                 specs.gen.engine.backend).kv_bytes_per_token(specs.gen.engine)
+        if (len(workers) > 1 and self.scaling.step_profile is None
+                and {"split", "reconfig"} & self.tail_actions):
+            self.measure_steps(workers, specs, weights, iteration)
         round_ = self.round_class(self, iteration, workers,
                                   dict(zip(ids, self.scaling.predict(ids)[1])))
         trainables, migrated, released = round_.run(shards, workers, weights, specs, seed)
@@ -148,6 +156,16 @@ class ElasticGeneration(Generation):
                  "generation_s": time.time() - started,
                  "predicted_generation_s": decision.predicted_seconds}
         return plan, trainables, facts
+
+    def measure_steps(self, workers: list[str], specs, weights: WeightsRef,
+                      iteration: int) -> None:
+        """The decode step profile the tail decision is timed by, measured on the pool
+        (``measure_step_profile``) and logged."""
+        started = time.time()
+        profile = measure_step_profile(self.pc, workers, specs.gen, weights)
+        self.scaling.step_profile = profile
+        self.log(iteration, pool="gen", kind="step_profile", workers=len(workers),
+                 seconds=time.time() - started, **profile.to_record())
 
     def after_update(self, update_seconds: float,
                      shards: list[GenerationStats]) -> IterationTimings:

@@ -13,6 +13,7 @@ never carried into the next iteration.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..tasks.tail import (
     take_tail_task,
 )
 from .generation import Generation
+from .tail_actions import TailActions
 
 
 def seq_id(prompt_id: str, sample_idx: int) -> str:
@@ -64,7 +66,7 @@ class TailMove:
         return task_key(stage, self.iteration, self.shard, self.index, tag=tag)
 
 
-class ElasticRound:
+class ElasticRound(TailActions):
     """One call's generation: see the module docstring."""
 
     def __init__(self, controller: Generation, iteration: int, workers: list[str],
@@ -81,6 +83,19 @@ class ElasticRound:
         self.exports: dict[str, list] = {}  # source -> futures of its exported tails
         self.lost: dict[str, TailMove | None] = {}  # a KV move's adopt/continue key -> it
         self.ac = as_completed()
+        # the pool's tails decided together (``tail_actions.py``) where the engine can split
+        # or consolidate them and the run has measured its step profile
+        self.tail_actions, self.force = controller.tail_actions, controller.force_tail
+        self.joint = (len(workers) > 1 and self.scaling.step_profile is not None
+                      and bool({"split", "reconfig"} & self.tail_actions))
+        self.pause = f"tail-pause-{uuid.uuid4().hex}" if self.joint else None
+        self.paused_pool = False  # the pause is set: every chunk stops at its next step
+        self.chunks: set[str] = set()  # keys of the chunks not back yet
+        self.held: dict[int, tuple] = {}  # shard -> (worker, chunk key, chunk) to decide
+        self.adopting: dict[str, dict] = {}  # adoption key -> its split/reconfig record
+        self.mixed: dict[str, set[int]] = {}  # key of a decoding -> the shards it holds
+        self.decision = None  # (record, keys of its tails' tasks, when) until they finish
+        self.shard_prompts: dict[int, pa.Array] = {}
 
     def run(self, shards: list[pa.Table], workers: list[str], weights: WeightsRef, specs,
             seed: int) -> tuple[list, int, list[str]]:
@@ -96,12 +111,17 @@ class ElasticRound:
             work = self.scaling.predict_work(shard.column("prompt_id").to_pylist(), [
                 len(p) for p in shard.column("prompt_ids").to_pylist()], self.cfg.n_samples)
             self._submit(i, worker, self.load_of(shard), generate_chunk_task, shard,
-                         weights, specs.gen, seed, self.scaling.knobs.tau, key, key=key,
-                         work=work)
+                         weights, specs.gen, seed, self.scaling.knobs.tau, key, self.pause,
+                         key=key, work=work)
             pieces[i] = []
+            self.chunks.add(key)
+            self.shard_prompts[i] = shard.column("prompt_id").combine_chunks()
         trainables, migrated, released = [], 0, []
         for fut in self.ac:
             if fut.status == "error" and self._reland_lost(fut):
+                continue
+            if fut.key in self.adopting:  # a split's or reconfiguration's tails landed
+                released += self._adopted(fut.key, fut.result())
                 continue
             if fut.key in self.moving and fut.key not in self.where:  # a KV move landed
                 released += self._landed(fut.key, fut.result(), iteration)
@@ -115,16 +135,28 @@ class ElasticRound:
                     "recompute_s": out.stats.prefill_seconds,
                     "recompute_tokens": out.stats.prefill_tokens, "bytes": 0,
                     "sequences": len(out)}, iteration)
+            shards = [i]
             if isinstance(out, dict):  # a chunk: finished rows, and maybe a paused tail
                 pieces[i].append(out["done"])
-                if len(out["cut"]):
+                if self.joint:
+                    self.chunks.discard(fut.key)
+                    self._hold(i, worker, fut.key, out)
+                    if not self.chunks:
+                        migrated += self._decide(weights, specs, seed)
+                elif len(out["cut"]):
                     migrated += self._handle_tail(i, worker, fut.key, out, weights, specs,
                                                   seed, iteration)
+            elif fut.key in self.mixed:  # a decoding that held rows of several shards
+                shards = self._hand_back(fut.key, out, pieces)
             else:
                 pieces[i].append(out)
-            if not self.pending[i]:
-                trainables.append(self._score(pieces[i], specs, iteration, i))
-            released += self._release_if_idle(worker, iteration)
+            self._decision_done(fut.key)
+            for s in shards:
+                if not self.pending[s]:
+                    trainables.append(self._score(pieces[s], specs, iteration, s))
+            if worker in self.load:
+                released += self._release_if_idle(worker, iteration)
+        self._decision_done(None)  # a tail relanded under a new key: log it now
         return trainables, migrated, released
 
     def release_idle(self) -> list[str]:
@@ -183,9 +215,9 @@ class ElasticRound:
                  reason=f"worker {worker} left the pool before {key} reached it")
         return other, self.pc.address_of(other)
 
-    def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
-                     seed: int, iteration: int) -> int:
-        """Resume a paused tail where it is, or move it: ``ScalingPolicy.migrate`` decides."""
+    def _tail_state(self, worker: str, out: dict) -> tuple[list[str], list[int], list]:
+        """``worker`` paused with ``out``'s tail: its load says so; returns the tail's
+        sequence ids, context tokens and predicted remaining tokens."""
         cut: pa.Table = out["cut"]
         n_done = len(out["done"])
         partial = cut.column("partial_ids").to_pylist()
@@ -195,8 +227,19 @@ class ElasticRound:
         rem = self.scaling.remaining([self.pred_max[seq.rsplit("#", 1)[0]] for seq in ids],
                                     [len(g) for g in partial], self.cfg.max_new_tokens)
         self.load[worker] = WorkerProgress(n_done + len(ids), n_done, ids, cur, rem, busy=False)
-        moves = [m for m in self.scaling.migrate(self.load, kv_transfer=self.kv_moves)
-                 if m.source == worker]
+        return ids, cur, list(rem)
+
+    def _handle_tail(self, shard: int, worker: str, key: str, out: dict, weights, specs,
+                     seed: int, iteration: int, moves: list | None = None,
+                     path: str = "") -> int:
+        """Resume a paused tail where it is, or move it: ``moves`` (the pool's decision,
+        ``tail_actions.py``; None: ``ScalingPolicy.migrate`` decides now), each by KV or
+        recomputed as ``kv_path`` says unless ``path`` forces one ("kv", "recompute")."""
+        cut: pa.Table = out["cut"]
+        ids, cur, _ = self._tail_state(worker, out)
+        if moves is None:
+            moves = [m for m in self.scaling.migrate(self.load, kv_transfer=self.kv_moves)
+                     if m.source == worker]
         if not moves:
             self._submit(shard, worker, self.load_of(cut, cut), resume_task, key,
                          weights, specs.gen, key=task_key("resume", iteration, shard))
@@ -209,6 +252,8 @@ class ElasticRound:
             context = int(sum(cur[r] for r in rows))
             choice = self.scaling.kv_path(context)
             why = move.reason
+            if path:
+                choice = replace(choice, path="transfer" if path == "kv" else "recompute")
             if not self.kv_moves:
                 choice = replace(choice, path="recompute")
                 why += f"; backend {self.cfg.backend} keeps no exportable KV cache: recompute"
@@ -323,7 +368,7 @@ class ElasticRound:
         (``release_idle``); the decision is the policy's, applied here. With the queue
         sizing the pool, a worker idle once no other is busy is the drained queue's to
         release."""
-        if (self.load[worker].busy or worker in self.exports
+        if (self.load[worker].busy or len(self.load[worker].seq_ids) or worker in self.exports
                 or worker in {w for _, w in self.where.values()}):
             return []
         busy = [p for p in self.load.values() if p.busy]

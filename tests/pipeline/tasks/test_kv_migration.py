@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tail_harness import TailModels, land_tails, measure_profile, run_tail
+from tail_harness import TailModels, land_tails, run_tail
 from worker_support import kill_worker
 
 from rlhfless.ops.data.load import read_prompts
@@ -26,6 +26,7 @@ from rlhfless.pipeline.tasks.rollout import (
     resume_task,
 )
 from rlhfless.pipeline.tasks.tail import adopt_tails_task, export_tail_task
+from rlhfless.pipeline.train.step_profile import measure_step_profile
 from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.tail_cost import KvCosts, StepProfile, TransferModel
 from rlhfless.schedulers.throughput import ThroughputModel
@@ -142,11 +143,11 @@ def test_transfer_continuation_equals_uninterrupted(cluster, eos_model_dir, gree
 
 
 def test_the_start_profile_measures_both_sides_and_restores_threads(cluster, eos_model_dir):
-    """``measure_profile``: 1 thread on both workers at once, 2 threads on one; every point
+    """``measure_step_profile``: 1 thread on both workers at once, 2 threads on one; every point
     sampled ``repeats`` times; the workers are left at the pool's thread count."""
     _, spec, weights, _ = _setup(cluster, eos_model_dir, greedy=True)
     names = cluster.worker_names("gen")[:2]
-    profile = measure_profile(cluster, names, spec, weights, (1, 4), steps=4, repeats=3)
+    profile = measure_step_profile(cluster, names, spec, weights, (1, 4), steps=4, repeats=3)
     assert profile.threads == [1, 2] and sorted(profile.measured) == [
         (1, 1), (1, 2), (4, 1), (4, 2)]
     assert all(len(v) == 3 and min(v) > 0 for v in profile.measured.values())

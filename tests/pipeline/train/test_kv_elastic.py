@@ -18,36 +18,22 @@ lambda 1)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from distributed import wait
+from tail_support import elastic_iteration
 from worker_support import kill_worker
 
-from rlhfless.ops.data.load import read_prompts
-from rlhfless.ops.data.prefix_dedup import plan_prefixes
-from rlhfless.ops.engine.engine_types import SamplingParams, WeightsRef
-from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.kv_transfer import kv_bytes_per_token
-from rlhfless.ops.engine.seeds import generation_seed
-from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import Config
-from rlhfless.pipeline.durable.runs import RunDir
-from rlhfless.pipeline.specs import make_specs
-from rlhfless.pipeline.tasks.rollout import generate_chunk_task, generation_engine
 from rlhfless.pipeline.train import build
 from rlhfless.pipeline.train.elastic import ElasticGeneration
 from rlhfless.pipeline.train.elastic_round import ElasticRound
 from rlhfless.pipeline.train.loop import train
-from rlhfless.schedulers.ledger import CostLedger
 from rlhfless.schedulers.migration import Migration
 from rlhfless.schedulers.scaling_policy import ScalingPolicy
-from rlhfless.schedulers.tail_cost import TransferModel
-
-N_SAMPLES, MAX_NEW = 3, 24
 
 
 class MovingPolicy(ScalingPolicy):
@@ -57,6 +43,11 @@ class MovingPolicy(ScalingPolicy):
     def migrate(self, progress, kv_transfer=False):
         assert kv_transfer  # the hf backend ships KV caches
         return every_paused_tail_moves(progress)
+
+    def choose_tail(self, progress, tails, threads, supported, kv_transfer, force=""):
+        """Moves only: split and reconfiguration are tested in test_tail_actions.py."""
+        return super().choose_tail(progress, tails, threads, supported - {"split", "reconfig"},
+                                   kv_transfer, force)
 
 
 def every_paused_tail_moves(progress) -> list[Migration]:
@@ -69,67 +60,9 @@ def every_paused_tail_moves(progress) -> list[Migration]:
                       kv="transfer") for w in paused]
 
 
-def _float64_engine(spec, weights) -> str:
-    engine, _, _ = generation_engine(spec.engine, weights)
-    engine.model.double()
-    return str(engine.model.dtype)
-
-
-def _pairs(table: pa.Table) -> dict:
-    pairs = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
-    counts = Counter(pairs)
-    assert set(counts.values()) == {1}, counts  # each (prompt, sample) exactly once
-    return dict(zip(pairs, zip(table.column("response_ids").to_pylist(),
-                               table.column("logprobs").to_pylist())))
-
-
-def _iteration(model_dir, tmp_path, policy_type=MovingPolicy, generation=ElasticGeneration):
-    """One elastic iteration of 8 prompts on two float64 generation workers, sampling, by
-    ``generation`` under a ``policy_type`` whose priors make a KV transfer the cheaper path
-    of a move; checks that every (prompt, sample) comes out once, as one worker decoding the
-    whole batch uninterrupted; returns the run, the generation facts, the policy and the
-    configuration."""
-    cfg = Config(model=str(model_dir), runs_dir=str(tmp_path), name="kv", n_samples=N_SAMPLES,
-                 max_new_tokens=MAX_NEW, batch_prompts=8, policy="elastic", gen_workers=2,
-                 lambda_cost=1.0, tau=0.3, keep_alive_s=0.0, train_threads=1)
-    run = RunDir.create(cfg)
-    specs = make_specs(cfg, model_dir, run)
-    specs = dataclasses.replace(specs, gen=dataclasses.replace(
-        specs.gen, sampling=SamplingParams(MAX_NEW, temperature=1.0)))
-    weights = WeightsRef(0, str(model_dir))
-    scaling = policy_type(cfg.scaling_knobs(), transfer=TransferModel(
-        prior_latency_s=0.0, prior_bytes_per_s=1e12))
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    batch = read_prompts(model_dir / "train.jsonl", tok).table.slice(0, 8)
-    pools = [Pool("gen", 2, 1, {"GEN": 1}, "2GiB"), Pool("train", 1, 1, {"TRAIN": 1}, "2GiB")]
-    with PoolCluster(pools, CostLedger({"gen": 1.0, "train": 1.0})) as pc:
-        c = pc.client
-        addrs = [pc.address_of(n) for n in pc.worker_names("gen")]
-        for a in addrs:
-            assert c.submit(_float64_engine, specs.gen, weights, workers=[a],
-                            pure=False).result() == "torch.float64"
-        prompts = plan_prefixes(batch, N_SAMPLES, cfg.min_prefix).prompts
-        whole = c.submit(generate_chunk_task, prompts, weights, specs.gen,
-                         generation_seed(0, 1), 1.0, "whole",
-                         workers=[addrs[0]], pure=False).result()
-        assert len(whole["cut"]) == 0
-        eg = generation(pc, cfg, run, scaling)
-        _, trainables, facts = eg.run_generation(batch, weights, 1, specs, seed=0)
-        tables = c.gather(trainables)
-    got = _pairs(Generated.concat(tables).table)
-    reference = _pairs(whole["done"].table)
-    assert got.keys() == reference.keys() and len(got) == len(batch) * N_SAMPLES
-    for pair, (ids, lps) in reference.items():
-        assert got[pair][0] == ids, pair  # token for token
-        assert max((abs(x - y) for x, y in zip(got[pair][1], lps)), default=0.0) < 1e-5
-    return run, facts, scaling, cfg
-
-
 @pytest.mark.slow
 def test_elastic_iteration_moves_kv_and_continues_as_uninterrupted(eos_model_dir, tmp_path):
-    run, facts, scaling, cfg = _iteration(eos_model_dir, tmp_path)
+    run, facts, scaling, cfg = elastic_iteration(eos_model_dir, tmp_path, MovingPolicy)
     moves = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
     assert moves and facts["migrated_sequences"] == sum(m["sequences"] for m in moves)
     for move in moves:
@@ -153,7 +86,7 @@ class MovingOncePolicy(MovingPolicy):
     moved = False
 
     def migrate(self, progress, kv_transfer=False):
-        moves = [] if self.moved else super().migrate(progress, kv_transfer)
+        moves = [] if self.moved else super().migrate(progress, kv_transfer)[:1]
         self.moved = self.moved or bool(moves)
         return moves
 
@@ -180,7 +113,8 @@ def test_a_source_dying_before_its_kv_is_fetched_loses_nothing(eos_model_dir, tm
     """The source's export, rerun elsewhere, finds no paused decoding (``TailLost``); the
     move is landed again with the tail recomputed on the target from its cut rows, and the
     iteration ends with every (prompt, sample) once, as uninterrupted decoding."""
-    run, facts, *_ = _iteration(eos_model_dir, tmp_path, MovingOncePolicy, SourceDiesAfterExport)
+    run, facts, *_ = elastic_iteration(eos_model_dir, tmp_path, MovingOncePolicy,
+                                    SourceDiesAfterExport)
     (move,) = [d for d in run.read_jsonl("decisions.jsonl") if d["kind"] == "migrate"]
     assert move["path"] == "transfer" and move["landed_by"] == "recompute"
     assert move["bytes"] == 0 and move["landed_sequences"] == move["sequences"]
