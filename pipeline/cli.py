@@ -5,7 +5,7 @@
     rlhfless export runs/<name> [--iteration N] -o hf-model/
     rlhfless graph [config.toml] [--set key=value ...] [-o iteration.png]
     rlhfless simulate [scenario.toml ...] [--plan --deadline S | --budget GPU_S]
-    rlhfless report runs/<name> [-o DIR]
+    rlhfless report runs/<name> [-o DIR] [--iterations A:B]
     rlhfless trace runs/<name> [--iterations A:B] [-o FILE]
     rlhfless config [--example NAME]
 
@@ -201,6 +201,8 @@ def run_command(argv: list[str]) -> int:
     p.add_argument("run", help="the run directory, runs/<name>")
     p.add_argument("-o", "--output", help="directory for index.html and its images "
                    "(default: RUN/report)")
+    p.add_argument("--iterations", type=iteration_range, metavar="A:B",
+                   help="draw the tasks of iterations A to B (default: the last)")
     p = sub.add_parser("trace", help="write (a part of) a run's trace for Perfetto")
     p.set_defaults(handler=trace_command)
     p.add_argument("run", help="the run directory, runs/<name>")

@@ -1,10 +1,11 @@
 """``rlhfless report RUN``: one static HTML page about a run, its plots beside it.
 
-    rlhfless report runs/<name> [-o DIR]     # default DIR: runs/<name>/report/
+    rlhfless report runs/<name> [-o DIR] [--iterations A:B]   # default DIR: runs/<name>/report/
 
 writes ``DIR/index.html`` and one PNG per figure (``plots.FIGURES``): reward and held-out
 accuracy, response-length distributions, seconds per stage, the worker timeline and the
-worker-seconds (GPU·s) per iteration; then tables of where each pool's worker-seconds went
+worker-seconds (GPU·s) per iteration, and the trace's tasks of chosen iterations
+(``--iterations``; default: the last); then tables of where each pool's worker-seconds went
 per iteration (busy, waiting, idle shares and the bound: ``pool_time.py``), the cost
 ledger and the scaling decisions, and — while the run is live — a link to its Dask
 dashboard (``dashboard.json``, written by the training loop). A figure the run cannot
@@ -113,14 +114,17 @@ td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#f3f3
 img{max-width:100%;border:1px solid #eee}.live{background:#e8f5e9;padding:0.5em}"""
 
 
-def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write ``index.html`` and its PNGs for the run at ``run``; returns the HTML path."""
+def write_report(run: str | Path, out_dir: str | Path | None = None,
+                 iterations: tuple[float, float] | None = None) -> Path:
+    """Write ``index.html`` and its PNGs for the run at ``run``, drawing the tasks of
+    ``iterations`` (first, last; default: the last one); returns the HTML path."""
     try:
         from .plots import FIGURES, png_bytes
     except ImportError as err:
         raise ImportError("rlhfless report draws with matplotlib: "
                           "pip install 'rlhfless[notebooks]'") from err
     data = RunData.load(run)
+    data.traced = iterations
     out = Path(out_dir) if out_dir is not None else data.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     name = html.escape(data.path.name)
@@ -155,7 +159,7 @@ def write_report(run: str | Path, out_dir: str | Path | None = None) -> Path:
 
 def run_from_args(args: Any) -> int:
     try:
-        print(write_report(args.run, args.output))
+        print(write_report(args.run, args.output, args.iterations))
     except (FileNotFoundError, ImportError, ValueError) as err:  # ValueError: a bad file
         print(f"rlhfless: report: {err}", file=sys.stderr)
         return 2

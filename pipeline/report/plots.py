@@ -10,6 +10,8 @@ has nothing to plot yet (the worker timeline needs ``ledger.json``, written when
     timeline_figure        one bar per worker lifetime, by pool; cold start hatched;
                            iteration spans shaded; scaling decisions marked
     worker_seconds_figure  worker·s (GPU·s on GPU pools) per pool per iteration
+    tasks_figure           the trace's tasks of chosen iterations, a row per worker thread,
+                           by stage, with the engine's phases inside them
 
 and, for the simulator's results: ``policies_figure``, ``sweeps_figure``, ``plan_figure``.
 """
@@ -25,11 +27,14 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..task_keys import STAGE_COLOURS
+from .trace_events import US, read_trace, select
 
 if TYPE_CHECKING:
     from .run_data import RunData
 
 POOL_COLOURS = {"gen": "#fb8072", "train": "#b3de69"}
+PHASE_COLOURS = {"cold_start": "#999999", "weight_fetch": "#6a3d9a", "prefill": "#1f78b4",
+                 "decode": "#33a02c", "pause": "#e31a1c", "env_wait": "#ff7f00"}
 OTHER = ("#cccccc", "#999999", "#d9d9d9", "#ccebc5", "#ffed6f", "#bebada")
 
 
@@ -244,10 +249,51 @@ def plan_figure(result: dict) -> Figure:
     return fig
 
 
+def tasks_figure(data: RunData) -> Figure | None:
+    """The trace's tasks (``trace.json``) of iterations ``data.traced`` (default: the last),
+    the held-out graph's left out: a row per worker thread, a bar per task coloured by stage,
+    and inside it a thin bar per engine phase."""
+    path = data.path / "trace.json"
+    if not path.exists() or not data.iterations:
+        return None
+    first, last = data.traced or (data.iterations[-1]["iteration"],) * 2
+    events = select(read_trace(path), first, last)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] in ("task", "phase")
+             and not e["args"].get("tag")]
+    if not spans:
+        return None
+    rows = sorted({(names[e["pid"]], e["tid"]) for e in spans})
+    t0 = min(e["ts"] for e in spans)
+    fig = Figure(figsize=(8, 1.2 + 0.32 * len(rows)))
+    ax = fig.subplots()
+    shown: dict[str, dict] = {}
+    for e in spans:
+        row, left, width = rows.index((names[e["pid"]], e["tid"])), (e["ts"] - t0) / US, \
+            e["dur"] / US
+        if e["cat"] == "task":
+            style = {"color": _colour(STAGE_COLOURS, e["name"], len(shown)), "height": 0.8,
+                     "edgecolor": "black", "linewidth": 0.3}
+        else:
+            style = {"color": PHASE_COLOURS.get(e["name"], "black"), "height": 0.3}
+        ax.barh(row, max(width, 1e-3), left=left, **style)
+        shown.setdefault(e["name"], style)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"seconds since the first task of iteration {first}")
+    ax.legend(handles=[Patch(color=style["color"], label=name)
+                       for name, style in shown.items()],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    span = f"iteration {first}" if first == last else f"iterations {first} to {last}"
+    ax.set_title(f"Tasks of {span} (thin: the engine's phases)")
+    return fig
+
+
 FIGURES = {
     "reward": ("Reward and held-out accuracy", reward_figure),
     "lengths": ("Response lengths", lengths_figure),
     "stages": ("Seconds per stage", stage_seconds_figure),
     "timeline": ("Worker timeline", timeline_figure),
     "worker_seconds": ("GPU·s (worker·s) per iteration", worker_seconds_figure),
+    "tasks": ("Tasks of chosen iterations", tasks_figure),
 }

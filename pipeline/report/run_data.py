@@ -27,6 +27,7 @@ class RunData:
     ledger: dict | None = None  # ledger.json: written when the run ends
     lengths: dict[int, np.ndarray] = field(default_factory=dict)  # iteration -> tokens
     dashboard: dict | None = None  # dashboard.json + "live"
+    traced: tuple[float, float] | None = None  # iterations whose tasks to draw (None: last)
 
     @classmethod
     def load(cls, path: str | Path) -> RunData:

@@ -45,7 +45,7 @@ from rlhfless.schedulers.dask.plugin import task_records
 
 from ..task_keys import parse_key
 from . import task_phases
-from .trace_events import DRIVER, US, driver_span, meta, pid_of, read_trace
+from .trace_events import DRIVER, US, driver_span, meta, pid_of, read_trace, select
 
 MAX_TASKS = 5000  # per iteration's chunk; a tiny run's iteration runs tens
 MAX_PHASES = 50_000  # per chunk: phases of the tasks kept
@@ -212,12 +212,6 @@ def iteration_args(record: dict) -> dict:
     keys = ("iteration", "policy_version", "generated_by", "bound", "samples",
             "tokens", "prefill_tokens", "decode_tokens", "gen_busy_share", "train_busy_share")
     return {k: record[k] for k in keys if k in record}
-
-
-def select(events: list[dict], first: int, last: int) -> list[dict]:
-    """The events of iterations ``first`` .. ``last`` and every track's name."""
-    return [e for e in events if e["ph"] == "M"
-            or first <= (e.get("args", {}).get("iteration") or 0) <= last]
 
 
 def write_part(run: Path, first: int, last: float, output: Path | None) -> str:

@@ -43,3 +43,9 @@ def read_trace(path: str | Path) -> list[dict]:
 def write_trace(path: str | Path, events: list[dict]) -> None:
     """``events`` as a closed trace file (the format's array form)."""
     Path(path).write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
+
+
+def select(events: list[dict], first: float, last: float) -> list[dict]:
+    """The events of iterations ``first`` .. ``last`` and every track's name."""
+    return [e for e in events if e["ph"] == "M"
+            or first <= (e.get("args", {}).get("iteration") or 0) <= last]

@@ -1,6 +1,7 @@
 """``rlhfless report`` on a real finished run: every image of the page is a PNG that decodes
-to a non-blank picture, every figure of ``plots.FIGURES`` is there, and the dashboard is
-linked only while the run is live."""
+to a non-blank picture, every figure of ``plots.FIGURES`` is there, the tasks figure draws
+the trace of the iterations asked, and the dashboard is linked only while the run is
+live."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from matplotlib.image import imread  # noqa: E402
 
 from rlhfless.pipeline.cli import main  # noqa: E402
 from rlhfless.pipeline.report.page import RunData, write_report  # noqa: E402
-from rlhfless.pipeline.report.plots import FIGURES  # noqa: E402
+from rlhfless.pipeline.report.plots import FIGURES, tasks_figure  # noqa: E402
+from rlhfless.pipeline.report.trace_events import read_trace  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -52,6 +54,31 @@ def test_report_of_a_finished_run_has_every_figure_as_a_valid_png(finished_run, 
     assert html.count("<tr>") > 5  # ledger rows, decisions, summary
 
 
+@pytest.mark.parametrize("traced, drawn", [(None, 2), ((1, 1), 1)])
+def test_the_tasks_figure_draws_the_traces_spans_of_the_iterations_asked(finished_run, traced,
+                                                                         drawn):
+    data = RunData.load(finished_run)
+    data.traced = traced
+    [ax] = tasks_figure(data).axes
+    events = read_trace(finished_run / "trace.json")
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] in ("task", "phase")
+             and e["args"].get("iteration") == drawn and not e["args"]["tag"]]
+    assert {e["cat"] for e in spans} == {"task", "phase"}
+    assert len(ax.patches) == len(spans)  # a bar each, no other
+    workers = [t.get_text() for t in ax.get_yticklabels()]
+    assert sorted(set(workers)) == sorted({names[e["pid"]] for e in spans})
+    assert any(w.startswith("gen-") for w in workers) and any(
+        w.startswith("train-") for w in workers)
+    assert ax.get_title().startswith(f"Tasks of iteration {drawn} ")
+
+
+def test_rlhfless_report_draws_the_tasks_of_the_iterations_asked(finished_run, tmp_path):
+    assert main(["report", str(finished_run), "-o", str(tmp_path), "--iterations", "1:1"]) == 0
+    check_png(tmp_path / "tasks.png")
+    assert "<h2>Tasks of chosen iterations</h2>" in (tmp_path / "index.html").read_text()
+
+
 def test_run_data_reads_what_the_figures_need(finished_run):
     data = RunData.load(finished_run)
     assert [m["iteration"] for m in data.iterations] == [1, 2]
@@ -62,11 +89,13 @@ def test_run_data_reads_what_the_figures_need(finished_run):
 
 
 def live_copy(finished_run: Path, live: Path, link: str) -> Path:
-    """The config and metrics of ``finished_run`` in ``live``, as a run of this process that
-    serves its dashboard at ``link`` (empty: none)."""
+    """The config, metrics and trace (not closed yet) of ``finished_run`` in ``live``, as a
+    run of this process that serves its dashboard at ``link`` (empty: none)."""
     live.mkdir()
     for name in ("config.json", "metrics.jsonl"):
         (live / name).write_text((finished_run / name).read_text())
+    trace = (finished_run / "trace.json").read_text().rstrip().removesuffix("]")
+    (live / "trace.json").write_text(trace)
     (live / "dashboard.json").write_text(json.dumps(
         {"link": link, "host": socket.gethostname(), "pid": os.getpid(), "started": 0.0}))
     return live
