@@ -3,7 +3,9 @@
 The driver (and its scheduler) is this machine's namespace; the trainer, a spare host for a
 second one, and three generation workers are hosts of a ``Network`` (``netns_hosts.py``),
 started as batch jobs start them on other nodes (``hosts_deploy.py``), over TLS with the
-run's credentials; versions travel worker to worker (``weight_store = "cluster"``). The
+run's credentials; versions travel worker to worker (``weight_store = "cluster"``), and the
+generation hosts do not see the run directory (a mount namespace of their own where it
+holds only the run's credentials, ``tls/``): none of its files is needed there. The
 run's Dask bounds come from its config: the scheduler's worker TTL (``worker_ttl_s``) and
 every process's comm timeouts (``connect_timeout_s``), the remote workers' through their
 environment. One static run of five iterations (a checkpoint after each) takes five
@@ -39,6 +41,7 @@ once. No namespace, link or process is left (the ``network`` fixture checks).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -87,7 +90,7 @@ def lifetimes(run: Path, name: str) -> list[dict]:
 def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
         network, tiny_model_dir, tmp_path, monkeypatch):
     placement = {name: network.add_host(name) for name in (*HOSTS, "train-1")}
-    deploy_on_hosts(monkeypatch, network, placement, tmp_path / "hosts")
+    deploy_on_hosts(monkeypatch, network, placement, tmp_path / "hosts", frozenset({"gen"}))
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path / "runs"), name="hosts",
                  iterations=ITERATIONS, batch_prompts=PROMPTS, n_samples=SAMPLES,
                  max_new_tokens=16, heldout_prompts=4, eval_every=100, gen_workers=3,
@@ -106,6 +109,10 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
                                    for k in ("connect", "tcp")})
     assert sorted(timeouts) == sorted(client.scheduler_info(n_workers=-1)["workers"])
     assert all(t == {"connect": "11s", "tcp": "11s"} for t in timeouts.values()), timeouts
+    listings = client.run(lambda run: sorted(os.listdir(run)), str(cfg.run_dir))
+    names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    assert all((listing == ["tls"]) == names[a].startswith("gen") for a, listing in
+               listings.items()), listings  # the trainer sees the run's files, gen-N none
     client.register_plugin(TaskErrors(errors))
     for worker, prefix, action in (("gen-1", "generate-2-", "blip"),
                                    ("train-0", "update-2", "blip"),
