@@ -31,7 +31,7 @@ from ..durable.sampler import PromptSampler
 from ..specs import Specs, load_prompt_sets, make_specs, resolve_model
 from ..tasks.scoring import RewardSpec
 from .emulation import Emulation
-from .inputs import check_context, check_routes
+from .inputs import check_routes, fit_context
 from .modes import mode_specs
 
 
@@ -54,7 +54,7 @@ def build_run(cfg: Config, run: RunDir, log) -> RunParts:
         return _emulated(cfg, run, log)
     model_path = resolve_model(cfg, log=log)
     prompts, heldout, counts = load_prompt_sets(cfg, model_path, log=log)
-    check_context(cfg, model_path, {"dataset": prompts, "heldout": heldout})
+    model_path = fit_context(cfg, model_path, {"dataset": prompts, "heldout": heldout}, log)
     check_routes(cfg, {"dataset": prompts, "heldout": heldout})
     run.append_metrics({"event": "data", "prompts": len(prompts), "heldout": len(heldout),
                         **counts})

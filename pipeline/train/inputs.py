@@ -14,9 +14,10 @@ key, the problem and the fix.
   library's id) and one is built with ``env_kwargs`` (and closed); with ``env_prompts``,
   its reset for seed 0 makes a first observation (the first prompt).
 * ``tiny_context``: ``model`` is ``"tiny"`` or a directory the tiny builder made.
-* ``check_context``: once the prompts are read, the longest prompt plus the tokens generated
+* ``fit_context``: once the prompts are read, the longest prompt plus the tokens generated
   after it (``max_new_tokens``, or ``max_episode_tokens`` for episodes) fit the model's
-  context; the worst prompt is named. The working directory is
+  context, the embedded tiny model's grown to fit where ``tiny_context`` is unset; the
+  worst prompt is named. The working directory is
   put on ``sys.path`` first (the ``rlhfless`` script does not have it), so that a reward
   module beside the config imports; local workers inherit the driver's ``sys.path``, and a
   batch job's worker starts in the directory the job was submitted from.
@@ -40,6 +41,7 @@ from rlhfless.ops.data.records import in_memory_table
 from rlhfless.ops.rollouts.adapters import reasoning_gym
 from rlhfless.ops.rollouts.resolve import resolve_environment
 from rlhfless.ops.rollouts.reward import describe_error
+from rlhfless.ops.toy.tinymodel import with_context
 
 from ..config import Config, ConfigError, dataset_task
 from ..specs import env_prompt_table, run_rewards
@@ -178,26 +180,44 @@ def _check_one_environment(key: str, name: str, kwargs: dict) -> None:
             pass
 
 
-def check_context(cfg: Config, model_path: Path, prompts: dict) -> None:
-    """The longest prompt of each set plus what is generated after it fits the model's
-    context (``max_position_embeddings`` of its config.json, when it says)."""
+def fit_context(cfg: Config, model_path: Path, prompts: dict, log=print) -> Path:
+    """The model directory to run: ``model_path`` when the longest prompt of each set plus
+    what is generated after it fits its context (``max_position_embeddings`` of its
+    config.json, when it says); for the embedded tiny model (``"tiny"`` or a directory it
+    built) without ``tiny_context``, the same weights at the smallest power-of-two context
+    that holds it (``with_context``, said through ``log``); else a ``ConfigError`` naming
+    the worst prompt, what it needs and the fix (an environment's first observation is the
+    game's own: it names the game)."""
     limit = json.loads((Path(model_path) / "config.json").read_text()).get(
         "max_position_embeddings")
     if not isinstance(limit, int):
-        return
+        return model_path
     after, key = ((cfg.max_episode_tokens, "max_episode_tokens") if cfg.multi_turn
                   else (cfg.max_new_tokens, "max_new_tokens"))
+    longest = []  # per set: (tokens, prompt id, set) of its longest prompt
     for name, table in prompts.items():
         lengths = pa_compute.list_value_length(table.column("prompt_ids")).to_pylist()
-        if not lengths:
-            continue
-        worst = max(range(len(lengths)), key=lengths.__getitem__)
-        if lengths[worst] + after > limit:
-            raise ConfigError(
-                f"{name}: prompt {table.column('prompt_id')[worst].as_py()!r} is "
-                f"{lengths[worst]} tokens, + {key} = {after} is {lengths[worst] + after}, "
-                f"over the model's context of {limit} tokens; lower max_prompt_tokens "
-                f"(on_long_prompt decides what happens to longer prompts) or {key}")
+        if lengths:
+            i = max(range(len(lengths)), key=lengths.__getitem__)
+            longest.append((lengths[i], table.column("prompt_id")[i].as_py(), name))
+    if not longest or max(longest)[0] + after <= limit:
+        return model_path
+    length, prompt_id, name = max(longest, key=lambda w: w[0])
+    need, fits = length + after, 1 << (length + after - 1).bit_length()
+    said = f"prompt {prompt_id!r} is {length} tokens, + {key} = {after} is {need}"
+    tiny = (Path(model_path) / "recipe.json").is_file()
+    if tiny and not cfg.tiny_context:
+        log(f"the tiny model runs at a context of {fits} tokens (tiny_context; its weights as "
+            f"built for {limit}): {said}")
+        return with_context(model_path, fits)
+    fix = (f"tiny_context = {fits} runs the embedded model at a context that holds it" if tiny
+           else f"give a model whose context holds {need} tokens")
+    if cfg.env_prompts:
+        raise ConfigError(f"environment {cfg.environment!r}: its first observation, {said}, "
+                          f"over the model's context of {limit} tokens; {fix}, or lower {key}")
+    raise ConfigError(f"{name}: {said}, over the model's context of {limit} tokens; {fix}, "
+                      f"or lower max_prompt_tokens (on_long_prompt decides what happens to "
+                      f"longer prompts) or {key}")
 
 
 def check_rewards(cfg: Config) -> None:

@@ -27,6 +27,8 @@ A library that is not installed skips its test, unless ``RLHFLESS_REQUIRE_ECOSYS
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -155,18 +157,26 @@ def test_an_openenv_environment_runs_from_config_alone(tiny_model_dir, tmp_path)
 
 def test_a_textarena_game_makes_its_own_prompts_from_config_alone(tiny_model_dir, tmp_path):
     """No dataset: ``env_prompts`` draws each prompt from 2048-v0's reset under its seed, and
-    ``tiny_context`` gives the tiny model room for it (the game's board is ~370 tokens). Each
-    prompt is its seed's first observation through the chat template, and each episode's
-    reward is what TextArena scores for the same turns, replayed with that seed."""
+    the tiny model, without ``tiny_context``, runs at a context that holds it (the game's
+    board is ~370 tokens). Each prompt is its seed's first observation through the chat
+    template, and each episode's reward is what TextArena scores for the same turns,
+    replayed with that seed."""
     ta = library("textarena")
     cfg = Config(model=str(tiny_model_dir), runs_dir=str(tmp_path), name="game",
-                 tiny_context=1024, environment="textarena:2048-v0", env_prompts=4,
+                 environment="textarena:2048-v0", env_prompts=4,
                  max_prompt_tokens=512, max_turns=2, max_turn_tokens=8,
                  max_episode_tokens=256, step_cut_turns=True, **SMALL | {"batch_prompts": 2})
     said: list[str] = []
     run = train(cfg, progress=False, log=said.append)
     assert ("prompts: 4 first observations of textarena:2048-v0 (seeds 0-3, env_prompts); "
             "heldout: 4 more (seeds from 1000000)") in said, said
+    grown = [line for line in said if line.startswith("the tiny model runs at a context of")]
+    need = int(grown[0].rsplit(" is ", 1)[1])  # the longest prompt + max_episode_tokens
+    positions = int(grown[0].split()[8])
+    assert positions // 2 < need <= positions  # the smallest power of two that holds it
+    built = tiny_model_dir.parent / f"{tiny_model_dir.name}-ctx{positions}"
+    assert json.loads((built / "config.json").read_text())["max_position_embeddings"] \
+        == positions
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = rollouts(run.path)
     assert len(rows) == cfg.batch_prompts * cfg.n_samples
@@ -252,9 +262,30 @@ def test_bad_environment_or_reward_is_refused_before_anything_starts(workdir, ca
 def test_prompt_and_budget_over_the_context_is_refused_before_the_cluster(workdir, capsys,
                                                                           tiny_model_dir):
     err = one_line_error(capsys, train_argv("max_new_tokens=200", "max_prompt_tokens=100",
-                                            model=tiny_model_dir))
+                                            "tiny_context=128", model=tiny_model_dir))
     assert "+ max_new_tokens = 200" in err and "over the model's context of 128" in err, err
     assert "prompt '" in err  # the worst prompt is named
+    need = int(err.split(" is ")[2].split(",")[0])
+    assert f"tiny_context = {1 << (need - 1).bit_length()} runs the embedded model" in err
+    assert not list((workdir / "runs" / "x").glob("rollouts/*"))  # nothing generated
+
+
+def test_a_game_no_model_context_holds_is_refused_naming_its_need(workdir, capsys,
+                                                                  tiny_model_dir):
+    """A model the tiny builder did not make (no recipe.json), with its 128 positions: the
+    game's first observation does not fit, and the line names the game and its need."""
+    library("textarena")
+    model = workdir / "small_model"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("recipe.json"))
+    err = one_line_error(capsys, train_argv(
+        "environment='textarena:GuessTheNumber-v0'", "env_prompts=4", "max_prompt_tokens=512",
+        "max_turns=2", "max_turn_tokens=8", "max_episode_tokens=64", model=model))
+    found = re.search(r"environment 'textarena:GuessTheNumber-v0': its first observation, "
+                      r"prompt 'textarena:GuessTheNumber-v0:\d+' is (\d+) tokens, \+ "
+                      r"max_episode_tokens = 64 is (\d+), over the model's context of 128 "
+                      r"tokens; give a model whose context holds (\d+) tokens", err)
+    assert found, err
+    assert int(found[1]) + 64 == int(found[2]) == int(found[3])
     assert not list((workdir / "runs" / "x").glob("rollouts/*"))  # nothing generated
 
 
