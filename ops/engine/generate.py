@@ -299,7 +299,7 @@ def run_decoding(model, dec: Decoding, params: SamplingParams, eos_id: int,
     if len(dec.live):  # stopped at the rule: the rest wait, paused
         now = time.time()
         record("pause", now, now, live=len(dec.live), finished=dec.finished_fraction,
-               by="tau" if dec.finished_fraction >= until_finished else "flag")
+               by="tau" if dec.finished_fraction >= until_finished else "interrupted")
     return dec
 
 

@@ -76,6 +76,7 @@ from ..data.schema import PROMPTS, check_columns
 from .engine_types import Chunk, SamplingParams, StopRule, Turn, WeightsRef
 from .gen_stats import GenerationStats
 from .lora import LoraSpec
+from .phases import record
 from .protocol import GenerationBackend
 from .publish import is_adapter_dir
 from .rows import cut_rows, expand_samples, rollouts_table, row_keys
@@ -362,6 +363,7 @@ class VLLMBackend(GenerationBackend):
                                end=time.time())
         tokens = sum(len(r[0]) for r in results)
         prefilled = sum(len(p) for p in ids) - cached
+        record("decode", start, start + seconds, tokens=tokens)  # one call: prefills inside
         stats = GenerationStats(prefill_tokens=prefilled,
                                 prefill_reused_tokens=n_samples * sum(map(len, ids)) - prefilled,
                                 prefill_requests=n_samples * len(ids),

@@ -6,7 +6,9 @@
 (``on_finish``: an episode's environment step starts while the others decode), and when
 the stop rule fires the unfinished requests are aborted and handed back with their tokens
 and behaviour logprobs so far. Their KV blocks stay in vLLM's prefix cache until evicted,
-so continuing them from prompt + tokens so far is mostly a cache hit.
+so continuing them from prompt + tokens so far is mostly a cache hit. Its phases
+(``phases.py``): the steps as decode spans, with the tokens they sampled (vLLM prefills
+inside its steps: no prefill spans), and a ``pause`` where the stop rule cut the requests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from .engine_types import StopRule
 from .gen_stats import GenerationStats
+from .phases import DecodeSpans, record
 
 _REQUEST_IDS = itertools.count()  # request names unique within the process
 
@@ -59,32 +62,42 @@ def run_requests(engine: Any, prompts: list[list[int]], params: list[Any],
     index = {name: i for i, name in enumerate(names)}
     latest: list[Any] = [None] * len(prompts)
     finished = [False] * len(prompts)
+    sampled = [0] * len(prompts)  # tokens of each request so far
     target = len(prompts) if stop is None else math.ceil(stop.until_finished * len(prompts))
-    started = time.perf_counter()
+    started, spans = time.perf_counter(), DecodeSpans()
     try:
         for name, prompt, sp in zip(names, prompts, params):
             engine.add_request(name, {"prompt_token_ids": prompt}, sp,
                                lora_request=lora_request)
         done = 0
         while done < len(prompts):
+            new = 0
             for out in engine.step():
                 i = index.get(out.request_id)
                 if i is None:
                     continue
                 latest[i] = out
+                new += len(out.outputs[0].token_ids) - sampled[i]
+                sampled[i] = len(out.outputs[0].token_ids)
                 if out.finished and not finished[i]:
                     finished[i], done = True, done + 1
                     if on_finish is not None:
                         on_finish(i, tokens_so_far(out.outputs[0]))
             stats.decode_steps += 1
+            spans.step(new)
             if done < len(prompts) and stop is not None and (
                     done >= target or stop.interrupted()):
+                spans.close()
+                now = time.time()
+                record("pause", now, now, live=len(prompts) - done, finished=done / len(prompts),
+                       by="tau" if done >= target else "interrupted")
                 break
     finally:  # stopped, or failed: nothing of ours is left running in the engine
         running = [name for name, f in zip(names, finished) if not f]
         if running:
             engine.abort_request(running)
     stats.decode_seconds += time.perf_counter() - started
+    spans.close()
     results = [tokens_so_far(out.outputs[0]) if out is not None else ([], [], "length")
                for out in latest]
     cached = [min(len(p), getattr(out, "num_cached_tokens", 0) or 0) if out is not None else 0

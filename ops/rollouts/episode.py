@@ -254,7 +254,8 @@ def run_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: int,
                 except ValueError as err:  # a chat template that cannot append messages
                     ep.fail("step", err)
         est.env_wait_seconds += time.perf_counter() - waited
-        record("env_wait", t0, time.time(), episodes=len(steps))
+        if steps:
+            record("env_wait", t0, time.time(), episodes=len(steps))
     for call in [_env_call(ep, _close, ep.env) for ep in eps if ep.env is not None]:
         try:
             final = call.result(timeout)

@@ -13,9 +13,9 @@ Dask thread it ran tasks on, and one process ``driver`` for the training loop. S
   ``task_phases.py``): spans (category ``phase``) of its cold start, weight fetch, prefills
   (``tokens``, ``reused_tokens``, ``requests``), decode chunks (``tokens``, ``steps``), the
   stop at the stop rule (``pause``: zero long, with the rows left ``live`` and ``by``
-  ``tau`` or ``flag``) and its waits on environments (``env_wait``), with the task's
-  ``key``, ``iteration``, ``shard`` and ``tag``; each placed by its offset from the task's
-  start, and kept inside the task's span;
+  ``tau`` or ``interrupted``: the pause flag or a deadline) and its waits on environments
+  (``env_wait``), with the task's ``key``, ``iteration``, ``shard`` and ``tag``; each placed
+  by its offset from the task's start, and kept inside the task's span;
 - the task's other phases (input transfers, disk reads) as async spans (``ph: "b"/"e"``,
   category ``transfer``) of its worker, beside the thread: a transfer overlaps the compute
   of the task before it, so it has no place on the thread's track;

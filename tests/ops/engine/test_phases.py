@@ -45,7 +45,8 @@ def test_decode_spans_add_up_to_the_runs_tokens(model, tokenizer, make_prompts, 
     assert times == sorted(times) and started <= times[0] and times[-1] <= ended
 
 
-@pytest.mark.parametrize("until, pause, by", [(0.0, None, "tau"), (1.0, lambda: True, "flag")])
+@pytest.mark.parametrize("until, pause, by",
+                         [(0.0, None, "tau"), (1.0, lambda: True, "interrupted")])
 def test_a_stop_at_the_rule_is_a_pause(model, tokenizer, recorded, until, pause, by):
     params = SamplingParams(max_new_tokens=8, seed=1)
     ids = [tokenizer(t)["input_ids"] for t in TEXTS]

@@ -4,7 +4,8 @@ the slow part); the weight-update test changes its weights and so runs last. Bes
 ``generate``, the engine protocol's chunked and multi-turn calls: ``generate_until`` cuts at
 a stop rule with each cut row's tokens and logprobs so far, ``continue_rows`` / ``resume``
 finish them from there, and episodes are the sampled ids and the observation ids as
-tokenized, in order.
+tokenized, in order; the engine's steps are decode spans (``phases.py``) whose tokens add up
+to the calls' ``decode_tokens``, with a ``pause`` where the stop rule cut.
 
 Tolerances: engine and recomputation are both float32; a logprob differs only by the order
 of float32 reductions (dot products of width 128-384, a log-softmax over ~400 tokens, at
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_support import require_vllm
 
 from rlhfless.ops.data.load import read_prompts
+from rlhfless.ops.engine import phases
 from rlhfless.ops.engine.engine_types import SamplingParams, StopRule
 from rlhfless.ops.engine.forward import nucleus_mask, response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
@@ -175,6 +177,25 @@ def test_a_deadline_cuts_every_row_after_one_step(engine, prompts):
     assert {len(g) for g in chunk.cut.column("partial_ids").to_pylist()} == {1}
     assert chunk.paused is not None
     assert engine.llm.llm_engine.get_num_unfinished_requests() == 0  # aborted, not running
+
+
+def test_the_steps_are_decode_spans_with_every_token_and_a_cut_is_a_pause(engine, prompts):
+    got: list[tuple] = []
+    phases.set_sink(lambda *phase: got.append(phase))
+    try:
+        chunk = engine.generate_until(prompts.slice(0, 4), 2, PARAMS,
+                                      StopRule(1.0, deadline=time.perf_counter()))
+        _, rest = engine.resume(chunk.paused, PARAMS)
+        _, whole = engine.generate(prompts.slice(4, 2), 2, PARAMS)
+    finally:
+        phases.set_sink(None)
+    names = [name for name, *_ in got]
+    assert names.count("pause") == 1 and set(names) == {"decode", "pause"}
+    _, t0, t1, pause = got[names.index("pause")]
+    assert t0 == t1 and pause == {"live": 8, "finished": 0.0, "by": "interrupted"}
+    decoded = sum(args["tokens"] for name, _, _, args in got if name == "decode")
+    assert decoded == (chunk.stats.decode_tokens + rest.decode_tokens
+                       + whole.decode_tokens) > 0
 
 
 def test_episodes_are_sampled_then_observation_ids_in_order(engine, prompts, trainer_model):

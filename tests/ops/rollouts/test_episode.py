@@ -1,5 +1,6 @@
 """Multi-turn rollouts (ops/rollouts/episode.py): exact trajectories, KV kept across turns, the loss
-mask, and environments that fail.
+mask, environments that fail, and the phases of a run (each turn's prefill and decode, each
+wait on the environments).
 
 The op-test model has random weights and rarely says EOS, so the tests end turns on a token
 it says often: ``turn_tokenizer`` is the tokenizer with that token as its EOS (the loop ends
@@ -16,6 +17,7 @@ import torch
 from episode_envs import LOG
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
+from rlhfless.ops.engine import phases
 from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs
@@ -95,6 +97,23 @@ def test_trajectory_is_generated_ids_then_observation_ids_in_order(model64, turn
                                    torch.tensor(row["logprobs"])[gen_pos], atol=1e-5, rtol=0)
     scored = score_episodes(table)
     assert scored.column("reward").to_pylist() == table.column("env_reward").to_pylist()
+
+
+def test_each_round_is_a_prefill_decode_and_an_env_wait(model64, turn_tokenizer,
+                                                        make_prompts):
+    got: list[tuple] = []
+    phases.set_sink(lambda *phase: got.append(phase))
+    try:
+        _, stats = play(model64, turn_tokenizer, make_prompts(TEXTS))
+    finally:
+        phases.set_sink(None)
+    waits = [(t1 - t0, args) for name, t0, t1, args in got if name == "env_wait"]
+    assert 1 <= len(waits) <= 4 and {"prefill", "decode"} == {n for n, *_ in got} - {"env_wait"}
+    assert sum(s for s, _ in waits) == pytest.approx(stats.env_wait_seconds, abs=1e-3)
+    assert all(1 <= args["episodes"] <= 2 * len(TEXTS) for _, args in waits)  # those stepped
+    prefilled = [args for name, _, _, args in got if name == "prefill"]  # one per round
+    assert len(waits) <= len(prefilled) <= 4 and sum(a["requests"] for a in prefilled) == \
+        stats.turns
 
 
 def test_kv_kept_across_turns_equals_reprefill(model64, turn_tokenizer, make_prompts):
