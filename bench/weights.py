@@ -113,9 +113,13 @@ def write_durably(path: Path, data: memoryview) -> None:
 
 
 def read_into(path: Path, tensor: torch.Tensor) -> None:
-    """``path``'s bytes into ``tensor``'s memory, which holds them (a read, no allocation)."""
+    """``path``'s bytes into ``tensor``'s memory, which holds them (a read, no allocation;
+    one read returns at most 2 GiB on Linux, so as many as it takes)."""
+    view = memoryview(tensor.numpy()).cast("B")
     with path.open("rb", buffering=0) as f:
-        f.readinto(memoryview(tensor.numpy()).cast("B"))
+        done = 0
+        while done < len(view):
+            done += f.readinto(view[done:])
 
 
 def timed(fn, *args):
