@@ -110,6 +110,11 @@ def test_engine_phases_sit_in_their_task_and_add_up_to_the_runs_tokens(trace, ru
         assert task["ts"] <= e["ts"] and e["ts"] + e["dur"] <= task["ts"] + task["dur"], e
     decoded = {key for key, t in tasks.items() if t["name"] in ("generate", "resume")}
     assert decoded and decoded <= {e["args"]["key"] for e in phases if e["name"] == "decode"}
+    fetched = [e["args"] for e in phases if e["name"] == "weight_fetch"]
+    assert fetched and {e["name"] for e in phases} >= {"cold_start", "prefill", "decode"}
+    for args in fetched:  # the version its task generates from (held-out: the iteration's)
+        task = tasks[args["key"]]["args"]
+        assert args["version"] == (task["iteration"] if task["tag"] else task["policy_version"])
     iterations, _ = run_records
     for m in iterations:
         mine = [e for e in phases
