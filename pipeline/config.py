@@ -217,6 +217,7 @@ class Config:
     cluster: str = "local"  # where workers run: local processes, slurm or pbs jobs
     device: str = "auto"  # auto (cuda if present), cpu or cuda
     gen_workers: int = 2  # generation pool size; the most the elastic policy may start
+    gen_min_workers: int = 1  # the fewest generation workers the elastic policy plans
     # the elastic policy's priors of what weights cost a worker (schedulers/weight_costs.py),
     # at the model's size, until the run measures its own cold starts and fetches
     engine_start_s: float = 30.0  # a cold start's part that is not the base weights' read
@@ -306,6 +307,9 @@ class Config:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be >= 1")
+        if not 1 <= self.gen_min_workers <= self.gen_workers:
+            raise ConfigError(f"gen_min_workers = {self.gen_min_workers} must be from 1 to "
+                              f"gen_workers = {self.gen_workers}")
         for key in ("temperature", "lr", "reward_timeout_s", "env_step_timeout_s",
                     "agent_timeout_s",
                     "emulate_time_scale", "stall_timeout_factor", "min_stall_s",

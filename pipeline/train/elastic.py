@@ -102,6 +102,7 @@ class ElasticGeneration(Generation):
         warm = self.pc.worker_names("gen")
         decision = self.scaling.plan(pred, pred_max, self.cfg.n_samples, prompt_tokens,
                                     keep_warm=len(warm), max_workers=self.cfg.gen_workers,
+                                    min_workers=self.cfg.gen_min_workers,
                                     rest_workers=self.rest_workers,  # whole-step scoring
                                     pred_env=self.scaling.predict_env(ids))
         n = decision.n_workers
