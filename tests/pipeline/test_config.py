@@ -39,6 +39,8 @@ def test_defaults_and_overrides(tmp_path):
         ("worker_ttl_s=60", ["worker_ttl_s = 60", ">= min_stall_s = 120"]),
         ("connect_timeout_s=5", ["connect_timeout_s = 5", ">= 11"]),
         ("job_start_timeout_s=0", ["job_start_timeout_s", "> 0"]),
+        ("gen_min_workers=3", ["gen_min_workers = 3", "from 1 to gen_workers = 2"]),
+        ("tail_action=teleport", ["tail_action", "'teleport'", "'split'", "'reconfig'"]),
         ("agent_host=everywhere", ["agent_host = 'everywhere' is not allowed", "'loopback'",
                                    "'worker'"]),
     ],
@@ -96,3 +98,12 @@ def test_colocate_is_refused_in_one_line_without_cuda():
     with pytest.raises(ConfigError, match="colocate = true needs a CUDA device") as err:
         Config(colocate=True, device="cpu")
     assert "\n" not in str(err.value)
+
+
+def test_a_tail_action_the_backend_cannot_take_is_one_line():
+    """vLLM and the emulated engine keep no exportable KV: they stay or recompute."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["backend=emulated", "tail_action=split"])
+    assert str(err.value) == ("tail_action = 'split': backend 'emulated' can take "
+                              "recompute, stay")
+    assert load_config(None, ["tail_action=reconfig"]).tail_action == "reconfig"
