@@ -18,7 +18,11 @@ simulated clocks. Call order, per iteration:
    ``migrate`` says which tails move and where (``plan_migration``: the tails of the fleet
    planned jointly, never later than staying; the predicted tokens still to come are
    ``remaining``, conditioned on what each sequence has generated), and ``kv_path`` whether
-   each move ships its KV cache or recomputes its context (``KvCosts``);
+   each move ships its KV cache or recomputes its context (``KvCosts``); where the engine
+   can split a paused batch or consolidate tails and the run has measured its
+   ``step_profile``, the live runtime pauses the whole pool and ``choose_tail`` weighs
+   staying, those moves, a split and a reconfiguration by predicted finish
+   (``tail_choice.py``);
 3. when a worker is idle: ``keeps_alive(idle_gap_s(...))`` says whether to keep it through
    the predicted gap until its next use, or release it now (break-even keep-alive: idling
    longer than a restart costs more than the restart);

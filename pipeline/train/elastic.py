@@ -14,7 +14,11 @@ driver with Dask futures (the graph is decided as it runs):
    travels there (exported on the source, fetched worker to worker by the target:
    ``tasks/tail.py``) or its prefix is recomputed there, from the transfer and prefill
    rates fitted to the run's own moves (an engine that cannot export its KV cache, vLLM
-   or the emulated one, recomputes);
+   or the emulated one, recomputes); with an engine that can also split a paused batch and
+   consolidate tails (ours), the first chunk back pauses the whole pool and the policy
+   chooses for all its tails at once: stay, move, split or reconfigure
+   (``tail_actions.py``, timed by the step profile ``measure_steps`` takes on the pool at
+   the first iteration);
 4. as soon as a shard is complete, score it and compute its advantages (streaming);
 5. release generation workers that would idle longer than a cold start costs (break-even
    keep-alive) — the pool shrinks to what the update needs while the update runs.

@@ -6,7 +6,9 @@ a chunk that pauses at ``tau``, and as futures complete it resumes or moves each
 (``ScalingPolicy.migrate``: where; ``ScalingPolicy.kv_path``: with its KV cache or
 recomputed), lands the moves (a lost export lands again, recomputed), scores each shard as
 soon as it is whole, replaces a worker that has left the pool, and releases a worker the
-policy says to (``ScalingPolicy.release_idle``). The state it keeps (each worker's
+policy says to (``ScalingPolicy.release_idle``). Where the engine can split or consolidate
+tails, the tails are instead decided for the whole pool at once (``tail_actions.py``, which
+this class mixes in). The state it keeps (each worker's
 predicted load, the futures in flight and where, the moves under way, the exports) is
 never carried into the next iteration.
 """
