@@ -141,8 +141,9 @@ class ElasticGeneration(Generation):
         if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
             self.scaling.kv.kv_bytes_per_token = engine_class(
                 specs.gen.engine.backend).kv_bytes_per_token(specs.gen.engine)
-        if (len(workers) > 1 and self.scaling.step_profile is None
-                and {"split", "reconfig"} & self.tail_actions):
+        episodes = specs.gen.episodes is not None or specs.gen.agent is not None
+        if (len(workers) > 1 and self.scaling.step_profile is None and not episodes
+                and {"split", "reconfig"} & self.tail_actions):  # episodes never pause
             self.measure_steps(workers, specs, weights, iteration)
         round_ = self.round_class(self, iteration, workers,
                                   dict(zip(ids, self.scaling.predict(ids)[1])))
