@@ -120,6 +120,15 @@ def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path,
     for move in moves:  # no KV cache: recompute
         assert move["path"] == "recompute" and "keeps no exportable KV cache" in move["reason"]
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
+    # the trace shows each move on both workers: the chunk cut on one, its rest on the other
+    events = read_trace(run.path / "trace.json")
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    ran = {(e["name"], e["args"].get("iteration"), tracks[e["pid"]]) for e in events
+           if e["ph"] == "X" and e["cat"] == "task"}
+    for move in moves:
+        assert move["source"] != move["target"]
+        assert {("generate", move["iteration"], move["source"]),
+                ("continue", move["iteration"], move["target"])} <= ran, move
 
 
 def moving_to(policy: ScalingPolicy, target: str) -> ScalingPolicy:
