@@ -55,7 +55,7 @@ import pyarrow as pa
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.shard import take_shards
-from rlhfless.ops.engine.engine_types import WeightsRef
+from rlhfless.ops.engine.engine_types import TAIL_ACTIONS, WeightsRef
 from rlhfless.ops.engine.gen_stats import GenerationStats
 from rlhfless.ops.engine.registry import engine_class
 from rlhfless.ops.engine.seeds import generation_seed
@@ -90,6 +90,7 @@ class ElasticGeneration(Generation):
         # a step profile the run measures on its pool (``step_profile.py``)
         self.tail_actions = engine_class(cfg.backend).tail_actions
         self.force_tail = "" if cfg.tail_action == "auto" else cfg.tail_action
+        self.declared = False  # the engine's tail actions are logged at the first iteration
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -141,6 +142,12 @@ class ElasticGeneration(Generation):
         if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
             self.scaling.kv.kv_bytes_per_token = engine_class(
                 specs.gen.engine.backend).kv_bytes_per_token(specs.gen.engine)
+        if not self.declared:  # once per run: what the tail decision may and may not do
+            self.declared = True
+            self.log(iteration, pool="gen", kind="tail_actions", backend=self.cfg.backend,
+                     supported=sorted(self.tail_actions), refused={
+                         a: f"backend {self.cfg.backend!r} cannot {a} a paused tail"
+                         for a in TAIL_ACTIONS if a not in self.tail_actions})
         episodes = specs.gen.episodes is not None or specs.gen.agent is not None
         if (len(workers) > 1 and self.scaling.step_profile is None and not episodes
                 and {"split", "reconfig"} & self.tail_actions):  # episodes never pause

@@ -115,6 +115,10 @@ def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path,
         assert 1 <= rec["gen_workers"] <= 2
     decisions = [json.loads(x) for x in (run.path / "decisions.jsonl").read_text().splitlines()]
     assert [d["iteration"] for d in decisions if d["kind"] == "scale"] == [1, 2]
+    (declared,) = [d for d in decisions if d["kind"] == "tail_actions"]  # what it cannot do
+    assert declared["supported"] == ["recompute", "stay"]
+    assert set(declared["refused"]) == {"kv", "split", "reconfig"}
+    assert not [d for d in decisions if d["kind"] in ("step_profile", "tail")]
     moves = [d for d in decisions if d["kind"] == "migrate"]
     assert moves and all(m["reason"].startswith("test: always move") for m in moves), moves
     for move in moves:  # no KV cache: recompute

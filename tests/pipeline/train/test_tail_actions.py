@@ -17,12 +17,16 @@ from __future__ import annotations
 import pytest
 from tail_support import elastic_iteration
 
+from rlhfless.ops.engine.engine_types import TAIL_ACTIONS
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("action", ["stay", "recompute", "split", "reconfig"])
 def test_a_forced_tail_action_loses_nothing_and_is_logged(eos_model_dir, tmp_path, action):
     run, facts, scaling, _ = elastic_iteration(eos_model_dir, tmp_path, tail_action=action)
     log = run.read_jsonl("decisions.jsonl")
+    (declared,) = [d for d in log if d["kind"] == "tail_actions"]
+    assert declared["supported"] == sorted(TAIL_ACTIONS) and declared["refused"] == {}
     (profile,) = [d for d in log if d["kind"] == "step_profile"]
     assert profile["workers"] == 2 and set(profile["median_s"]) >= {"1x1", "16x2"}
     (tail,) = [d for d in log if d["kind"] == "tail"]
