@@ -87,10 +87,16 @@ def serve_version(version: int) -> dict:
 def local_weights(ref: WeightsRef) -> WeightsRef:
     """``ref`` as an engine loads it: unchanged where it is a path; where a worker holds it,
     fetched from that worker into this one's local directory (the holder's ``keep`` newest
-    versions stay there), and the path of the copy."""
+    versions stay there), and the path of the copy. A holder that has left the cluster (a
+    trainer lost) is not asked: a task holding the old ``ref`` fails at once, where asking
+    waited for the connection's timeout (a host cut off) and held its worker that long."""
     if ref.holder is None:
         return ref
     worker = get_worker()
+    cluster = sync(worker.loop, worker.scheduler.identity, n_workers=-1)["workers"]
+    if ref.holder not in cluster:
+        raise RuntimeError(f"worker {worker.address}: policy v{ref.version} was held by the "
+                           f"trainer at {ref.holder}, which has left the cluster")
     reply = sync(worker.loop, worker.rpc(ref.holder).rlhfless_weights, version=ref.version)
     if reply["status"] != "OK":
         raise RuntimeError(f"worker {worker.address}: policy v{ref.version} is not held by "

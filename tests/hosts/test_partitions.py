@@ -29,7 +29,10 @@ first:
   (the request arrived, the reply goes out on the cut link): train-0 is declared lost at
   ``min_stall_s`` (it holds no decoding task), and the fetch fails then, not at its
   connection's timeout (``connect_timeout_s``, or Dask's 30 s): the scheduler has every
-  worker close its connections to a worker it removed. The generation task fails with it;
+  worker close its connections to a worker it removed. The generation task fails with it,
+  and the iteration's other generation tasks, abandoned, fail at once (the holder has left
+  the cluster: ``local_weights`` does not ask it) rather than hold gen-1 for a connection
+  timeout each;
   a new trainer is started on the spare host at once (batch deployments start no worker
   by themselves), and the run goes back to checkpoint 4, publishes version 4 again from
   the new trainer and redoes iteration 5; train-0 is billed until it was declared lost.
@@ -177,6 +180,9 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
     assert fetch_failed["worker"] == "gen-1" and fetch_failed["key"].startswith("generate-5-")
     assert abs(fetch_failed["time"] - train_stall["time"]) < SLACK_S
     assert fetch_failed["time"] - train_cut["time"] < CONNECT_S
+    # the iteration's other generation tasks, abandoned, do not ask the lost trainer: they
+    # fail at once, and the redo does not wait for them
+    assert all(e["time"] - fetch_failed["time"] < SLACK_S for e in read_strikes(errors))
     assert (train_stall["worker"], train_stall["no_heartbeat"]) == ("train-0", True)
     assert train_stall["deadline_s"] == MIN_STALL_S
     assert train_stall["time"] - train_cut["time"] < MIN_STALL_S + SLACK_S
@@ -193,4 +199,7 @@ def test_a_run_across_hosts_absorbs_a_blip_and_loses_a_cut_and_a_killed_host(
           f"{fetch_failed['time'] - train_cut['time']:.1f} s after train-0's cut, train-0 "
           f"lost {train_stall['time'] - train_cut['time']:.1f} s after it, iteration 5 "
           f"ended {iterations[5]['time'] - train_cut['time']:.1f} s after it; "
-          f"recovered from {recover['error']!r}")
+          f"recovered from {recover['error']!r}; task errors "
+          f"{[(e['key'], round(e['time'] - train_cut['time'], 1)) for e in read_strikes(errors)]}"
+          f", iteration 5 ended {iterations[5]['time'] - train1['t_ready']:.1f} s after "
+          "train-1 was ready")

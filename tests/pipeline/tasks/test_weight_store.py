@@ -1,7 +1,8 @@
 """Versions published through the cluster (``weight_store = "cluster"``) on a real
 LocalCluster: a worker fetches what another worker's process holds, over Dask's comms (TLS
 here), into
-its own directory; the holder keeps its ``keep`` newest versions. A run with
+its own directory; the holder keeps its ``keep`` newest versions, and a holder that left the
+cluster is not asked. A run with
 ``weight_store = "cluster"`` writes no version into the run directory, yet its generation
 workers generate each iteration from the trainer's version (and report what fetching it
 took), and it resumes from its checkpoint the same way."""
@@ -53,6 +54,9 @@ def test_a_worker_fetches_the_version_another_process_holds(tmp_path):
             on(generator, local_weights, refs[0])
         on(trainer, publish_version, _shifted(2), None, 2, 2)  # a resume publishes v2 again
         assert on(trainer, held_versions) == [2]  # and v3, newer, is gone
+        client.retire_workers([trainer], close_workers=True)  # a trainer lost
+        with pytest.raises(RuntimeError, match="held by the trainer at .* has left the cluster"):
+            on(generator, local_weights, refs[2])  # at once, not at a connection's timeout
 
 
 def test_an_unknown_weight_store_is_a_one_line_error():
