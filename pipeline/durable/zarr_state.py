@@ -9,7 +9,8 @@ What goes where (``group`` is an open ``zarr.Group``):
   dimension 0 in pieces of at most ``CHUNK_BYTES``, a divisor of the rows where one is close,
   so that no padded edge chunk lands on disk. Every chunk is written, zeros included. In a
   local store the metadata and chunk files are written directly, per the zarr v3 spec
-  (``put_array``): zarr's own write path runs at a fraction of the disk's speed.
+  (``put_array``), and read back the same way (``read_local``): zarr's own write and read
+  paths run at a fraction of the disk's speed.
 * a **plain tree** (a ``state_dict`` of lists, numbers, strings and ``None``, as
   ``LengthPredictor`` and ``ThroughputModel`` give) is a group: dicts become subgroups,
   numeric (possibly nested) lists become arrays, everything else one JSON attribute.
