@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import _TYPES, load_file
+from safetensors.torch import load_file
 
 from .engine_types import WeightsRef
 from .lora import from_peft_state, is_adapter, lora_config, peft_state, trainable_state
@@ -42,7 +42,11 @@ if TYPE_CHECKING:
 
 ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's files
 ADAPTER_FILE = "adapter_model.safetensors"
-DTYPE_NAMES = {dtype: name for name, dtype in _TYPES.items()}  # safetensors' names of dtypes
+DTYPE_NAMES = {  # safetensors' names of the dtypes weights come in
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2"}
 # a held version's pieces are at most Dask's shard size (distributed.comm.shard, 64 MiB):
 # each goes as a frame of its own, so the receiver never joins the parts of a split one
 PIECE_BYTES = 64 << 20

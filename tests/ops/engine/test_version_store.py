@@ -1,6 +1,7 @@
 """A version in memory (``version_files``: pieces of a copy of the tensors) is byte for
-byte what ``publish_state`` writes, full weights and LoRA adapters alike, and ``install_files`` puts it into another store
-where the policy loads from it exactly; that store keeps its ``keep`` newest versions."""
+byte what ``publish_state`` writes and ``safetensors.torch.save`` makes, full weights and
+LoRA adapters alike, and ``install_files`` puts it into another store where the policy loads
+from it exactly; that store keeps its ``keep`` newest versions."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save
 
 from rlhfless.ops.engine import publish
 from rlhfless.ops.engine.lora import LoraSpec, add_adapters, lora_config, trainable_state
@@ -47,6 +49,10 @@ def test_a_version_in_memory_is_the_published_files(model, tmp_path, monkeypatch
                 tensor.add_(1.0)
         assert name == Path(written.path).name
         assert _joined(files) == _joined(cut) == _files(Path(written.path))
+        tensors = Path(written.path)
+        tensors = tensors / publish.ADAPTER_FILE if tensors.is_dir() else tensors
+        # the library's own writer, on what the file holds, makes the same bytes
+        assert save(load_file(tensors), metadata={"version": "4"}) == tensors.read_bytes()
         pieces = [len(memoryview(p).cast("B")) for rel in cut for p in cut[rel][1:]]
         assert max(pieces) == 1024 and len(pieces) > len(state)
 
