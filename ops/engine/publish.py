@@ -81,9 +81,9 @@ def version_files(state: dict[str, torch.Tensor], version: int,
     that name (``""``: the name is the file), as the pieces whose bytes in order are the
     file's. The tensors are copied once, where ``state`` holds them, and their pieces are
     views of the copy (a safetensors file is a header, then each tensor's bytes)."""
-    state = _stored_state(state)
+    stored = _stored_state(state)  # on the CPU: copies of a GPU trainer's tensors already
     state = {k: t.clone() if t.data_ptr() == state[k].data_ptr() else t
-             for k, t in state.items()}  # its own memory: the trainer's changes on
+             for k, t in stored.items()}  # its own memory: the trainer's changes on
     metadata = {"version": str(version)}
     if not _adapters_only(state, lora, version):
         return _name(False, version), {"": safetensors_pieces(state, metadata)}
