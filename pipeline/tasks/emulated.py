@@ -23,6 +23,8 @@ What is emulated, and from where:
   done (the stop rule's pause and deadline are not emulated); ``resume`` runs the rest of the
   same schedule, ``continue_rows`` reschedules cut sequences on another worker, recomputing
   prompt + generated tokens as prefill (no KV leaves: ``exports_kv`` is false);
+- the trace's decode spans and the pause at ``tau`` (``record_steps``), on the wall clock
+  the task sleeps through, each span's tokens its steps' live batches;
 - weight load: ``profile.sync_s`` when a task needs a newer version than the engine holds,
   at the start of its schedule;
 - cold start: ``profile.gen_cold_start_s`` from the worker process's start, slept in a Dask
@@ -54,6 +56,7 @@ import pyarrow.compute as pa_compute
 import zarr
 
 from rlhfless.ops.data.schema import ROLLOUTS
+from rlhfless.ops.engine import phases
 from rlhfless.ops.engine.engine_types import Chunk, SamplingParams, StopRule, WeightsRef
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.protocol import GenerationBackend
@@ -90,6 +93,24 @@ def _tokens(counts: np.ndarray, values: pa.DataType) -> pa.ListArray:
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
         np.zeros(int(offsets[-1])), values))
+
+
+def record_steps(run: WorkerRun, wall0: float, t0: float, scale: float, lo: int = 0,
+                 hi: int | None = None) -> None:
+    """``run``'s decode steps ``lo..hi`` as the trace's decode spans (``phases``), emulated
+    time ``t0`` being wall ``wall0``: at most ``DECODE_SPAN_S`` of wall time each, with the
+    tokens the steps sampled (their live batches)."""
+    hi = run.n_steps if hi is None else hi
+    if hi <= lo:
+        return
+    ends = wall0 + (run.t_step[lo:hi] - t0) * scale
+    starts = np.append(wall0 + (float(run.t_step[lo - 1]) - t0) * scale if lo else wall0,
+                       ends[:-1])
+    span = ((ends - ends[0]) // phases.DECODE_SPAN_S).astype(np.int64)
+    for k in np.unique(span):
+        at = np.flatnonzero(span == k)
+        phases.record("decode", float(starts[at[0]]), float(ends[at[-1]]),
+                      tokens=int(run.batch[lo:hi][at].sum()), steps=int(at.size))
 
 
 def expand(prompts: pa.Table, n_samples: int) -> tuple[pa.Table, np.ndarray]:
@@ -225,6 +246,7 @@ class EmulatedEngine(GenerationBackend):
         rows, lengths, run = self._schedule(prompts, n_samples)
         table = self._rollouts(rows, lengths, params, worker, started,
                                started + run.t_finish * self.time_scale)
+        record_steps(run, started, 0.0, self.time_scale)
         late = _sleep_until(started, run.t_finish, self.time_scale)
         return table, self._stats(run, run.t_finish, late)
 
@@ -244,6 +266,10 @@ class EmulatedEngine(GenerationBackend):
         cut = cut.append_column("partial_ids", _tokens(generated[paused], pa.int32()))
         cut = cut.append_column("partial_logprobs", _tokens(generated[paused], pa.float32()))
         handle = Paused(run, rows.take(paused), t_cut, started) if paused.size else None
+        record_steps(run, started, 0.0, self.time_scale, hi=run.steps_done(t_cut))
+        if paused.size:
+            at = started + t_cut * self.time_scale
+            phases.record("pause", at, at, rows=int(paused.size), by="tau")
         late = _sleep_until(started, t_cut, self.time_scale)
         return Chunk(table, cut, self._stats(run.cut(t_cut), t_cut, late), handle)
 
@@ -260,6 +286,7 @@ class EmulatedEngine(GenerationBackend):
         lengths = run.end[tail] - run.start[tail]
         table = self._rollouts(paused.rows, lengths, params, worker, paused.started,
                                started + emulated_s * self.time_scale)
+        record_steps(run, started, t_cut, self.time_scale, lo=step)
         late = _sleep_until(started, emulated_s, self.time_scale)
         return table, self._stats(rest, emulated_s, late, admitted=False)
 
@@ -275,6 +302,7 @@ class EmulatedEngine(GenerationBackend):
                            self._cap(prompt, lengths))
         table = self._rollouts(cut, lengths, params, worker, started,
                                started + run.t_finish * self.time_scale)
+        record_steps(run, started, 0.0, self.time_scale)
         late = _sleep_until(started, run.t_finish, self.time_scale)
         return table, self._stats(run, run.t_finish, late)
 

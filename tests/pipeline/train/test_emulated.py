@@ -88,6 +88,12 @@ def test_a_static_run_takes_the_profiles_time_through_the_one_driver(tmp_path):
     tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     generated = [tracks[e["pid"]] for e in events if e["ph"] == "X" and e["name"] == "generate"]
     assert len(generated) >= ITERATIONS and all(t.startswith("gen-") for t in generated)
+    # the emulated engine's decode spans: each iteration's add up to its decode tokens
+    spans = [e["args"] for e in events
+             if e["ph"] == "X" and e["cat"] == "phase" and e["name"] == "decode"]
+    for rec in records:
+        assert sum(a["tokens"] for a in spans if a["iteration"] == rec["iteration"]
+                   and not a["tag"]) == rec["decode_tokens"] > 0
 
 
 def always_moving(policy: ScalingPolicy) -> ScalingPolicy:
