@@ -18,11 +18,9 @@ the first until every episode that can send one has (the episodes the agent proc
 once, ``concurrency``, less those that ended: ``end_episode``), or ``batch_window_s`` after
 the first at the latest, and samples it in one ``decode_turns`` call of the engine protocol
 (``ops/engine/protocol.py``), so concurrent agents decode together as rollouts do, at the
-weights the task set; each request is answered as soon as its sample leaves the batch, so
-its agent's work up to its next request overlaps the others' decoding. Every request is
-recorded token-exact as the server saw it (``Call``: the prompt ids after the chat
-template, each sample's ids, behaviour logprobs and finish reason, and its seconds);
-``close_episode`` hands the record back.
+weights the task set. Every request is recorded token-exact as the server saw it
+(``Call``: the prompt ids after the chat template, each sample's ids, behaviour logprobs
+and finish reason, and its seconds); ``close_episode`` hands the record back.
 ``n`` samples of a request are drawn under their own keys, derived from the episode's key
 and the samples drawn before, so an episode replays the same draws on the same engine.
 ``stream: true`` is served as server-sent events of the whole response, sampled and recorded
@@ -273,25 +271,14 @@ class AgentEndpoint:
                 self._run(group)
 
     def _run(self, jobs: list[_Job]) -> None:
-        """Sample ``jobs`` in one engine call, answering each as soon as its turns are over,
-        while the rest decode: its agent's next request is on its way by the batch's end."""
         turns = [t for job in jobs for t in job.turns]
-        owner = [job for job in jobs for _ in job.turns]
         params = replace(jobs[0].params,
                          max_new_tokens=max(t.budget for t in turns))
-
-        def leave(i: int, _ids: list[int]) -> None:
-            job = owner[i]
-            if all(t.result is not None for t in job.turns):
-                job.loop.call_soon_threadsafe(_settle, job.done,
-                                              [t.result for t in job.turns], None)
-
         started = time.perf_counter()
         try:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
-            self.engine.decode_turns(turns, params, self.stats, keep_cache=True,
-                                     on_leave=leave)
+            self.engine.decode_turns(turns, params, self.stats, keep_cache=True)
             outcome: Any = None
         except BaseException as err:  # the request fails, the server goes on
             outcome = err
