@@ -50,6 +50,7 @@ import pyarrow as pa
 
 from ..data.records import record_fields
 from ..data.schema import EPISODES
+from ..engine import phases
 from ..engine.engine_types import SamplingParams
 from ..engine.gen_stats import EpisodeStats, GenerationStats
 from ..engine.protocol import GenerationBackend
@@ -159,11 +160,25 @@ def run_agent_episodes(engine: GenerationBackend, prompts: pa.Table, n_samples: 
     first request's, ``response_ids`` the rest of the trajectory) plus ``schema.EPISODES``;
     one row per trajectory, so an episode of several gives several rows of its prompt."""
     stats = stats if stats is not None else GenerationStats()
+    server = endpoint(params.host)
+    server.busy_spans = []
     rows, start = expand_samples(prompts, n_samples), time.time()
-    busy, wall = endpoint(params.host).busy_s, time.perf_counter()
+    busy, wall = server.busy_s, time.perf_counter()
     played = play_agents(engine, rows, sampling, params, stats)
-    idle = time.perf_counter() - wall - (endpoint(params.host).busy_s - busy)
+    idle = time.perf_counter() - wall - (server.busy_s - busy)
+    record_waits(start, time.time(), server.busy_spans)
     return agent_rows(rows, played, engine, worker=worker, start=start, idle_s=max(idle, 0.0))
+
+
+def record_waits(start: float, end: float, busy: list[tuple[float, float]]) -> None:
+    """The trace's ``agent_wait`` spans: the gaps in ``[start, end]`` between the engine's
+    calls ``busy`` ((start, end) wall times, one server thread: never overlapping), when the
+    engine sampled nothing while the agents ran."""
+    cursor = start
+    for t0, t1 in sorted(busy) + [(end, end)]:
+        if t0 > cursor:
+            phases.record("agent_wait", cursor, t0)
+        cursor = max(cursor, t1)
 
 
 def agent_rows(rows: pa.Table, played: list[tuple[dict, list[Call]]],

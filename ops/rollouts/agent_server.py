@@ -112,6 +112,8 @@ class AgentEndpoint:
         self.threads = 1
         self.stats = GenerationStats()
         self.busy_s = 0.0  # seconds the engine spent sampling for requests, ever
+        self.busy_spans: list[tuple[float, float]] = []  # (start, end) wall times of each
+        # engine call since the shard's episodes began (``agent.run_agent_episodes``)
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -274,7 +276,7 @@ class AgentEndpoint:
         turns = [t for job in jobs for t in job.turns]
         params = replace(jobs[0].params,
                          max_new_tokens=max(t.budget for t in turns))
-        started = time.perf_counter()
+        started, at = time.perf_counter(), time.time()
         try:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -283,6 +285,7 @@ class AgentEndpoint:
         except BaseException as err:  # the request fails, the server goes on
             outcome = err
         self.busy_s += time.perf_counter() - started
+        self.busy_spans.append((at, time.time()))
         for job in jobs:
             if outcome is None:
                 value = [t.result for t in job.turns]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhfless.ops.algo.update import UpdateParams, update_policy
+from rlhfless.ops.engine import phases
 from rlhfless.ops.engine.engine_types import SamplingParams
 from rlhfless.ops.engine.forward import response_logprobs
 from rlhfless.ops.engine.gen_stats import GenerationStats
@@ -170,12 +171,24 @@ def test_the_time_the_engine_waits_on_agents_is_measured_and_billed_apart(engine
     it), and never for longer than the shard took."""
     from rlhfless.pipeline.report.bookkeeping import bill_env_wait
 
-    started = time.perf_counter()
-    _, stats = run_agent_episodes(engine, make_prompts(TEXTS), 1, SAMPLING,
-                                  AgentParams("openai_agents:thinks_then_asks"))
-    wall = time.perf_counter() - started
+    recorded = []
+    phases.set_sink(lambda name, t0, t1, args: recorded.append((name, t0, t1)))
+    try:
+        started, at = time.perf_counter(), time.time()
+        _, stats = run_agent_episodes(engine, make_prompts(TEXTS), 1, SAMPLING,
+                                      AgentParams("openai_agents:thinks_then_asks"))
+        wall, ended = time.perf_counter() - started, time.time()
+    finally:
+        phases.set_sink(None)
     assert stats.env_errors == 0 and stats.env_seconds >= 3 * 0.5
     assert 0.5 <= stats.env_wait_seconds <= wall
+    # the trace's agent_wait spans: in the shard's time, apart, adding up to the wait (the
+    # two clocks are read a few microseconds apart at each of the spans' ends)
+    waits = sorted((t0, t1) for name, t0, t1 in recorded if name == "agent_wait")
+    assert waits and at <= waits[0][0] and waits[-1][1] <= ended
+    assert all(a[1] < b[0] for a, b in zip(waits, waits[1:]))
+    assert sum(t1 - t0 for t0, t1 in waits) == pytest.approx(stats.env_wait_seconds,
+                                                             abs=1e-3)
     bill = bill_env_wait({"env_wait_seconds": stats.env_wait_seconds, "gen_worker_s": 2 * wall},
                          {"gen": 3.0, "train": 1.0})
     assert bill == {"env_wait_worker_s": stats.env_wait_seconds,
