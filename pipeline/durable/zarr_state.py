@@ -120,16 +120,20 @@ def put_array(group: zarr.Group, name: str, a: np.ndarray, attributes: Mapping |
     if a.size == 0:
         return
     data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).reshape(a.shape)
-    if a.ndim == 0:
-        pieces = [("c", data.reshape(1))]
-    else:
-        rows, tail = chunks[0], ".0" * (a.ndim - 1)
-        pieces = [(f"c.{i // rows}{tail}", data[i:i + rows]) for i in range(0, len(data), rows)]
-    for key, piece in pieces:
+    for key, piece in chunk_pieces(data, chunks):
         with open(root / key, "wb") as f:
             f.write(memoryview(piece.reshape(-1)).cast("B"))
             if a.ndim and len(piece) < chunks[0]:
                 f.write(bytes((chunks[0] - len(piece)) * piece[0].nbytes))
+
+
+def chunk_pieces(a: np.ndarray, chunks: tuple[int, ...]) -> list[tuple[str, np.ndarray]]:
+    """Each chunk file's key (zarr v3's default encoding, chunked along the first axis
+    only) and the rows of ``a`` it holds, as views."""
+    if a.ndim == 0:
+        return [("c", a.reshape(1))]
+    rows, tail = chunks[0], ".0" * (a.ndim - 1)
+    return [(f"c.{i // rows}{tail}", a[i:i + rows]) for i in range(0, len(a), rows)]
 
 
 def get_array(array: zarr.Array) -> np.ndarray:
@@ -157,12 +161,7 @@ def read_local(array: zarr.Array) -> np.ndarray | None:
     chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     if meta != array_metadata(a, chunks, meta["attributes"]) or chunks[1:] != shape[1:]:
         return None
-    if a.ndim == 0:
-        pieces = [("c", a.reshape(1))]
-    else:
-        rows, tail = chunks[0], ".0" * (a.ndim - 1)
-        pieces = [(f"c.{i // rows}{tail}", a[i:i + rows]) for i in range(0, len(a), rows)]
-    for key, piece in pieces:
+    for key, piece in chunk_pieces(a, chunks):
         view = memoryview(piece.reshape(-1)).cast("B")
         try:
             with open(root / key, "rb", buffering=0) as f:
