@@ -313,7 +313,8 @@ class VLLMBackend(GenerationBackend):
                      on_finish=finish, lora_request=self.lora_request)
 
     def step_seconds(self, batch: int, steps: int, prompt_tokens: int) -> float:
-        """(seconds of ``steps`` tokens − seconds of one) / (steps − 1): the prefill out."""
+        """(seconds of ``steps`` tokens − seconds of one) / (steps − 1): the prefill out,
+        after an untimed call (a fresh engine's first takes seconds to warm up)."""
         prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_tokens)] for i in range(batch)]
 
         def seconds(tokens: int) -> float:
@@ -324,6 +325,7 @@ class VLLMBackend(GenerationBackend):
                           for _ in prompts], stats, lora_request=self.lora_request)
             return stats.decode_seconds
 
+        seconds(1)  # a fresh engine's first call warms it up (seconds, not a step)
         one = seconds(1)
         return max(0.0, seconds(steps) - one) / max(1, steps - 1)
 
