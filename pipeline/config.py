@@ -21,6 +21,8 @@ from typing import Any, get_type_hints
 
 import tomllib
 from dask.utils import parse_bytes, parse_timedelta
+from fsspec import available_protocols, get_filesystem_class
+from fsspec.core import split_protocol
 
 from rlhfless.ops.engine.engine_types import TAIL_ACTIONS
 from rlhfless.ops.engine.registry import check_engine, engine_class
@@ -198,8 +200,12 @@ class Config:
     replay_max_skips: int = 1  # replay_longest: most draws in a row a prompt is replaced at
     max_wall_s: float = 0.0  # training seconds; stop after the iteration past them (0: none)
     keep_weights: int = 2  # published versions kept (async: >= max_staleness + 2)
-    weight_store: str = "run"  # where versions go: run (files every worker reads) | cluster
-    # (held by the trainer, fetched worker to worker over Dask's comms: no shared disk)
+    weight_store: str = "run"  # where versions go: run (files all workers read) | cluster | URL
+    # cluster: held by the trainer, fetched worker to worker over Dask's comms; an fsspec URL,
+    # "s3://bucket/prefix": written there, copied by each worker (either: no shared disk)
+    # secrets not here (config.json keeps these): in the environment, as fsspec reads them
+    weight_store_options: dict[str, Any] = field(  # a URL store's fsspec storage options
+        default_factory=dict)
     policy: str = "static"  # generation workers: static (gen_workers) or elastic (cost model)
     backend: str = "hf"  # generation engine: hf (our decode loop) | vllm (vLLM, an extra) |
     # emulated (a GPU profile's clock, docs/emulated.md) | a registered name
@@ -295,8 +301,16 @@ class Config:
                               "a letter or digit (at most 128 characters)")
         for key, allowed in CHOICES.items():
             value = getattr(self, key)
-            if value not in allowed:
-                raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}")
+            if key == "weight_store" and "://" in value:
+                check_weight_url(value)
+            elif value not in allowed:
+                raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {allowed}"
+                                  + (" or an fsspec URL such as 's3://bucket/prefix'"
+                                     if key == "weight_store" else ""))
+        if self.weight_store_options and "://" not in self.weight_store:
+            raise ConfigError(f"weight_store_options = {self.weight_store_options} are the "
+                              "storage options of a URL store; weight_store = "
+                              f"{self.weight_store!r} takes none: remove them")
 
     def _check_numbers(self) -> None:
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
@@ -523,6 +537,25 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_weight_url(url: str) -> None:
+    """``ConfigError`` (one line) unless fsspec has a file system of ``url``'s protocol that
+    other processes see too, with its package installed (s3fs for s3://, gcsfs for gcs://)."""
+    protocol = split_protocol(url)[0]
+    if protocol not in available_protocols():
+        raise ConfigError(f"weight_store = {url!r}: fsspec knows no protocol {protocol!r}; "
+                          "use 'run', 'cluster' or a URL of one of "
+                          "fsspec.available_protocols() (s3, gcs, abfs, ftp, sftp, file, ...)")
+    if protocol == "memory":
+        raise ConfigError(f"weight_store = {url!r}: fsspec's memory file system lives in one "
+                          "process, and the trainer and each generation worker are processes "
+                          "of their own; use a store they all reach (s3://, gcs://, ftp://)")
+    try:
+        get_filesystem_class(protocol)
+    except ImportError as err:
+        raise ConfigError(f"weight_store = {url!r}: {err} (on the trainer's and the "
+                          "generation workers' machines)") from None
 
 
 def dataset_task(dataset: str) -> str:

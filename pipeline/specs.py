@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.load import LoadResult, read_prompts
-from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams
+from rlhfless.ops.engine.engine_types import EngineSpec, RemoteStore, SamplingParams
 from rlhfless.ops.engine.lora import LoraSpec
 from rlhfless.ops.engine.registry import resolved
 from rlhfless.ops.rollouts.adapters import reasoning_gym
@@ -85,11 +85,22 @@ def make_specs(cfg: Config, model_path: Path, run: RunDir) -> Specs:
         reward=RewardSpec(run_rewards(cfg), cfg.default_reward, cfg.reward_timeout_s,
                           cfg.reward_fallback),
         train=TrainSpec(EngineSpec(str(model_path), cfg.device, cfg.train_threads, lora=lora),
-                        update, str(run.weights) if cfg.weight_store == "run" else None,
+                        update, weight_store(cfg, run.weights),
                         world=cfg.train_workers,
                         parallel=cfg.train_parallel, bf16=cfg.train_dtype == "bfloat16",
                         gradient_checkpointing=cfg.gradient_checkpointing),
     )
+
+
+def weight_store(cfg: Config, run_weights: Path) -> str | RemoteStore | None:
+    """Where the trainer publishes: the run's ``weights/`` directory, an fsspec URL store
+    with its storage options, or None (held by the trainer for the cluster)."""
+    if cfg.weight_store == "run":
+        return str(run_weights)
+    if cfg.weight_store == "cluster":
+        return None
+    return RemoteStore(cfg.weight_store, tuple(sorted(cfg.weight_store_options.items())),
+                       cfg.keep_weights)
 
 
 def run_rewards(cfg: Config) -> dict[str, str]:

@@ -33,6 +33,17 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class RemoteStore:
+    """A store of versions at an fsspec URL (``weight_store = "s3://bucket/prefix"``):
+    ``options`` are the file system's storage options as (key, value) pairs, by key;
+    ``keep`` the versions kept there, and in each reader's local copy."""
+
+    url: str
+    options: tuple[tuple[str, Any], ...] = ()
+    keep: int = 2
+
+
+@dataclass(frozen=True)
 class WeightsRef:
     """Where version ``version`` of the policy lives; small enough to travel in a graph."""
 
@@ -41,6 +52,9 @@ class WeightsRef:
     # the address of the worker that holds this version in memory (weight_store = "cluster"):
     # ``path`` is then the version's name in a store, fetched from there before loading
     holder: str | None = None
+    # the URL store that holds this version (weight_store = an fsspec URL): ``path`` is then
+    # the version's path under its URL, copied from there before loading
+    remote: RemoteStore | None = None
 
 
 def require_version(have: int, need: int, where: str, max_staleness: int = 0) -> None:

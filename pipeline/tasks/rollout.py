@@ -72,7 +72,7 @@ def generation_engine(spec: EngineSpec,
         engine.set_weights(local_weights(weights))
         fetch = time.perf_counter() - started
         record("weight_fetch", t0, time.time(), version=weights.version,
-               from_worker=weights.holder is not None)
+               from_worker=weights.holder is not None, from_url=weights.remote is not None)
     return engine, cold, fetch
 
 

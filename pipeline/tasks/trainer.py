@@ -24,7 +24,7 @@ from rlhfless.ops.algo.offpolicy import check_staleness
 from rlhfless.ops.algo.parallel import Ranks, full_state, wrap_model
 from rlhfless.ops.algo.update import UpdateParams, update_policy
 from rlhfless.ops.engine.backend import load_causal_lm
-from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef, require_version
+from rlhfless.ops.engine.engine_types import EngineSpec, RemoteStore, WeightsRef, require_version
 from rlhfless.ops.engine.forward import enable_checkpointing
 from rlhfless.ops.engine.gen_stats import Generated
 from rlhfless.ops.engine.lora import lora_config, trainable_names, trainable_state
@@ -40,7 +40,7 @@ from .weight_store import publish_version
 class TrainSpec:
     engine: EngineSpec
     update: UpdateParams
-    store: str | None  # directory of published weights; None: the trainer holds them
+    store: str | RemoteStore | None  # published weights' directory or URL; None: held
     keep_versions: int = 2
     max_staleness: int = 0  # oldest sample the update accepts, in versions behind the trainer
     world: int = 1  # trainer ranks (train_workers); > 1: one process group over the pool

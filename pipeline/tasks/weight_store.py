@@ -18,6 +18,12 @@ extends its workers the same way (``worker.handlers[...]``).
 
 A trainer that restarts loses what it held; recovery publishes the restored version again
 (``durable/recovery.py``), and the new ``WeightsRef`` names the new holder.
+
+``weight_store = "<fsspec URL>"`` (``s3://bucket/prefix``, ``gcs://``, ``ftp://``, ...): the
+trainer writes each version there (``ops/engine/url_store.py``: its own folder, then a
+manifest, so a version is whole before any reader is told of it), and a generation worker
+copies the version it needs into its local directory, as with ``cluster``: no two machines
+need a common file system, only the store.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
 
-from rlhfless.ops.engine.engine_types import WeightsRef
+from rlhfless.ops.engine.engine_types import RemoteStore, WeightsRef
+from rlhfless.ops.engine.url_store import fetch, publish_files, with_keep
 from rlhfless.ops.engine.version_store import check_keep, install_files
 
 if TYPE_CHECKING:
@@ -43,16 +50,19 @@ LOCAL_STORE = "rlhfless-weights"  # under a generation worker's local directory
 _HELD: dict[int, tuple[str, dict[str, list], int]] = {}
 
 
-def publish_version(state: dict[str, torch.Tensor], store: str | None, version: int,
-                    keep: int, lora: LoraConfig | None = None) -> WeightsRef:
+def publish_version(state: dict[str, torch.Tensor], store: str | RemoteStore | None,
+                    version: int, keep: int, lora: LoraConfig | None = None) -> WeightsRef:
     """Publish ``state`` (all weights, or LoRA adapters with their ``lora`` config) as
-    ``version``: into the directory ``store``, or, where ``store`` is None, held by this
-    worker for the cluster to fetch. Either keeps the ``keep`` newest versions up to
-    ``version`` and drops newer ones."""
+    ``version``: into the directory ``store``, into the URL store ``store``, or, where
+    ``store`` is None, held by this worker for the cluster to fetch. Each keeps the ``keep``
+    newest versions up to ``version`` and drops newer ones."""
     # torch only here, on the trainer: generation workers import this module for
     # ``local_weights`` whatever their engine (the emulated one loads no torch)
     from rlhfless.ops.engine.publish import publish_state, version_files
 
+    if isinstance(store, RemoteStore):
+        return publish_files(*version_files(state, version, lora), with_keep(store, keep),
+                             version)
     if store is not None:
         return publish_state(state, store, version, keep, lora)
     check_keep(keep)
@@ -85,11 +95,14 @@ def serve_version(version: int) -> dict:
 
 
 def local_weights(ref: WeightsRef) -> WeightsRef:
-    """``ref`` as an engine loads it: unchanged where it is a path; where a worker holds it,
-    fetched from that worker into this one's local directory (the holder's ``keep`` newest
-    versions stay there), and the path of the copy. A holder that has left the cluster (a
-    trainer lost) is not asked: a task holding the old ``ref`` fails at once, where asking
-    waited for the connection's timeout (a host cut off) and held its worker that long."""
+    """``ref`` as an engine loads it: unchanged where it is a path; where a URL store or a
+    worker holds it, copied from there into this worker's local directory (the store's or
+    the holder's ``keep`` newest versions stay there), and the path of the copy. A holder
+    that has left the cluster (a trainer lost) is not asked: a task holding the old ``ref``
+    fails at once, where asking waited for the connection's timeout (a host cut off) and
+    held its worker that long."""
+    if ref.remote is not None:
+        return fetch(ref, Path(get_worker().local_directory) / LOCAL_STORE)
     if ref.holder is None:
         return ref
     worker = get_worker()
