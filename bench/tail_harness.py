@@ -118,8 +118,8 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
             _consolidate(pc, addr, target, moved, cuts, choices[target], weights, spec, tag,
                          models, decision)
             if mode == "reconfig":
-                before = c.submit(set_threads_task, plan.threads, workers=[addr[target]],
-                                  pure=False).result()
+                before = c.submit(set_threads_task, plan.threads, spec.engine,
+                                  workers=[addr[target]], pure=False).result()
                 widened[target] = time.time()
                 threads[target] = plan.threads
                 decision["threads"] = {"before": before, "after": plan.threads}
@@ -134,8 +134,8 @@ def run_tail(pc: PoolCluster, names: list[str], shards: list[pa.Table], spec: Ge
     # the last rollout's end on its worker: a retirement still winding down is not generation
     ended = max(max(t.table.column("gen_end").to_pylist(), default=started) for t in done)
     for n in widened:  # back to the pool's threads for whatever runs next
-        c.submit(set_threads_task, pc.pools["gen"].threads, workers=[addr[n]],
-                 pure=False).result()
+        c.submit(set_threads_task, pc.pools["gen"].threads, spec.engine,
+                 workers=[addr[n]], pure=False).result()
     pc.sync_events()
     worker_s = (pc.ledger.worker_seconds("gen", until=ended)
                 - pc.ledger.worker_seconds("gen", until=started))

@@ -131,6 +131,14 @@ class HFBackend(GenerationBackend):
     def tokenizer(self):
         return self._tokenizer
 
+    def widen(self, width: int) -> int:
+        """``width`` times the worker's torch threads (1: its own); the width before."""
+        if width < 1:
+            raise ValueError(f"widen: width={width}; allowed: >= 1")
+        before, self.width = getattr(self, "width", 1), width
+        torch.set_num_threads(self.threads * width)
+        return before
+
     @property
     def max_context(self) -> int | None:
         return getattr(self._loaded().config, "max_position_embeddings", None)

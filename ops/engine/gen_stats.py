@@ -48,6 +48,9 @@ class GenerationStats:
     prefill_reused_tokens: int = 0
     prefill_requests: int = 0  # sequences whose prompt the engine took (sample, turn, request)
     prefill_seconds: float = 0.0
+    # a moved KV cache's transfer and load, where the engine times it on its own clock (the
+    # emulated engine's profile); 0 where the caller times it on the wall
+    kv_load_seconds: float = 0.0
     decode_tokens: int = 0  # sampled tokens (sum over steps of the live batch size)
     decode_steps: int = 0
     decode_seconds: float = 0.0

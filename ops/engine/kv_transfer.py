@@ -65,6 +65,10 @@ class TailKV:
     def n_sequences(self) -> int:
         return len(self.kv)
 
+    def take(self, positions: list[int]) -> TailKV:
+        """``take_tail`` of this tail: the part of it one target gets."""
+        return take_tail(self, positions)
+
     @property
     def context_tokens(self) -> int:
         """Tokens whose KV travels (prompt + generated so far, summed over sequences):

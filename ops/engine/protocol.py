@@ -67,6 +67,10 @@ class GenerationBackend(ABC):
     #: paused batch leaves, the rest resumes) and "reconfig" (tails consolidated onto one
     #: engine that decodes with more threads) need ``export_paused``/``adopt``
     tail_actions: frozenset[str] = frozenset({"stay", "recompute"})
+    #: whether a reconfiguration's sources leave once their tails landed (threads of one
+    #: machine given to its target) or stay held by the target until it ends (a wider TP
+    #: over their GPUs)
+    reconfig_releases: bool = True
     #: the weight dtypes ``EngineSpec.dtype`` may name for this engine ("auto": its choice)
     dtypes: tuple[str, ...] = ("auto",)
     #: whether generating takes this machine's cores (false for an engine that only sleeps
@@ -152,6 +156,20 @@ class GenerationBackend(ABC):
     @abstractmethod
     def max_context(self) -> int | None:
         """Tokens the engine's model takes at most (prompt + response), None if unknown."""
+
+    def widen(self, width: int) -> int:
+        """Decode on ``width`` times this worker's own share from now on (a reconfigured
+        tail's target: torch threads on a CPU, the tensor-parallel degree of a GPU engine;
+        1 restores the worker's own); returns the width before. Engines with ``reconfig``
+        in ``tail_actions`` only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode wider")
+
+    @classmethod
+    def kv_link_bytes_per_s(cls, spec: EngineSpec) -> float | None:
+        """Bytes per second a KV cache crosses between two workers, where the engine knows
+        it (the prior of a KV move's cost, before a transfer is measured); None: the
+        transfer model's own prior."""
+        return None
 
     @classmethod
     def kv_bytes_per_token(cls, spec: EngineSpec) -> float | None:

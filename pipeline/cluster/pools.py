@@ -39,8 +39,8 @@ from .supervise import dask_bounds, dask_environment
 # the task modules each pool's workers import as they start, before any task: every module
 # whose tasks they run, so that no task's unpickling imports a framework while a task thread
 # imports it too (a tail's move, unpickled as the engine loaded, found transformers half
-# imported: "cannot import name 'DynamicCache'"); the tail tasks only where the engine
-# exports its KV cache (``tail.py`` imports torch, which an emulated worker never loads)
+# imported: "cannot import name 'DynamicCache'"); the tail tasks where the engine exports
+# its KV cache (``tail.py`` imports no framework: an emulated worker loads it too)
 GEN_TASKS = ("rlhfless.pipeline.tasks.rollout",)
 TAIL_TASKS = ("rlhfless.pipeline.tasks.tail",)
 TRAIN_TASKS = ("rlhfless.pipeline.tasks.trainer",)

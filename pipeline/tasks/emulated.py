@@ -20,9 +20,14 @@ What is emulated, and from where:
   charged in the step that admits a sequence, the engine's batch cap); each group's prompt is
   prefilled once (prefix sharing);
 - ``generate_until`` stops at the step boundary where ``until_finished`` of the sequences are
-  done (the stop rule's pause and deadline are not emulated); ``resume`` runs the rest of the
-  same schedule, ``continue_rows`` reschedules cut sequences on another worker, recomputing
-  prompt + generated tokens as prefill (no KV leaves: ``exports_kv`` is false);
+  done, or at the first step boundary after the stop rule's pause or deadline (checked as it
+  sleeps); ``resume`` runs the rest of the same schedule, ``continue_rows`` reschedules cut
+  sequences on another worker, recomputing prompt + generated tokens as prefill;
+- a paused tail's KV cache moves as data (``emulated_tails.py``: exported, adopted, its
+  transfer timed by PAT's link model), so the elastic policy may move, split or consolidate
+  tails as with our engine; ``widen`` is PAT's reconfiguration, the profile re-derived at a
+  TP that many times larger (the widest feasible), ``pat.RECONFIG_FIXED_S`` charged once
+  before its next step, the sources' GPUs held by it (``reconfig_releases`` false);
 - the trace's decode spans and the pause at ``tau`` (``record_steps``), on the wall clock
   the task sleeps through, each span's tokens its steps' live batches;
 - weight load: ``profile.sync_s`` when a task needs a newer version than the engine holds,
@@ -52,19 +57,30 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 import pyarrow as pa
-import pyarrow.compute as pa_compute
 import zarr
 
 from rlhfless.ops.data.schema import ROLLOUTS
 from rlhfless.ops.engine import phases
-from rlhfless.ops.engine.engine_types import Chunk, SamplingParams, StopRule, WeightsRef
+from rlhfless.ops.engine.engine_types import (
+    TAIL_ACTIONS,
+    Chunk,
+    EngineSpec,
+    SamplingParams,
+    StopRule,
+    WeightsRef,
+)
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.protocol import GenerationBackend
+from rlhfless.schedulers.pat import RECONFIG_FIXED_S
 from rlhfless.schedulers.profiles import Profile, get_profile
 from rlhfless.schedulers.sim.engine import WorkerRun, simulate_run
 
+from . import emulated_tails as tails
+from .emulated_tails import LENGTH, Paused
+from .emulated_tails import lengths_of as _lengths
+
 LENGTHS = "emulated_lengths"  # prompt column: the trace's response lengths of its group
-LENGTH = "emulated_length"  # the same, per (prompt, sample) row of a cut tail
+PAUSE_POLL_S = 0.01  # wall seconds between looks at the stop rule while a chunk sleeps
 COLD_START_ENV = "RLHFLESS_EMULATED_COLD_START_WALL_S"  # read by ``dask_setup``
 WEIGHTS_PATH = "emulated"  # where an emulated version "lives": nowhere
 
@@ -82,11 +98,6 @@ def _sleep_until(started: float, emulated_s: float, scale: float) -> float:
     past that (its own work took longer, or the process got no CPU in time)."""
     time.sleep(max(0.0, started + emulated_s * scale - time.time()))
     return time.time() - (started + emulated_s * scale)
-
-
-def _lengths(column) -> np.ndarray:
-    """Lengths of a list column's rows (no Python lists built)."""
-    return pa_compute.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _tokens(counts: np.ndarray, values: pa.DataType) -> pa.ListArray:
@@ -127,29 +138,49 @@ def expand(prompts: pa.Table, n_samples: int) -> tuple[pa.Table, np.ndarray]:
     return rows.append_column(LENGTH, pa.array(lengths)), lengths
 
 
-@dataclass
-class Paused:
-    """A chunk's unfinished sequences, as ``generate_until`` left them: the schedule, the
-    rows, where it was cut and when the chunk started (``Chunk.paused``)."""
-
-    run: WorkerRun
-    rows: pa.Table
-    t_cut: float
-    started: float
-
-
 class EmulatedEngine(GenerationBackend):
     """An engine that sleeps on the profile's clock; see the module docstring."""
 
     computes = False
+    exports_kv = True
+    tail_actions = frozenset(TAIL_ACTIONS)
+    reconfig_releases = False
 
     def __init__(self, model_path: str, profile: str = "Qwen2.5-3B@L40S",
                  time_scale: float = 0.05, cap: int = 0) -> None:
         self.model_path = model_path
-        self.profile: Profile = get_profile(profile)
+        self.base: Profile = get_profile(profile)
+        self.profile = self.base  # at the engine's width (``widen``)
+        self.width = 1
         self.time_scale = time_scale
         self.cap = cap  # live sequences per worker; 0: the profile's at the shard's context
         self.pending_sync_s = 0.0  # a new version's load, charged to the next schedule
+        self.pending_reconfig_s = 0.0  # a widening's fixed cost, charged to the next one
+
+    @staticmethod
+    def _spec_profile(spec: EngineSpec) -> Profile:
+        return get_profile(spec.options.get("profile", "Qwen2.5-3B@L40S"))
+
+    @classmethod
+    def kv_bytes_per_token(cls, spec: EngineSpec) -> float:
+        return cls._spec_profile(spec).kv_bytes_per_token
+
+    @classmethod
+    def kv_link_bytes_per_s(cls, spec: EngineSpec) -> float:
+        return tails.link_bytes_per_s(cls._spec_profile(spec))
+
+    def widen(self, width: int) -> int:
+        """PAT's reconfiguration: the profile at ``width`` times the base TP (the widest
+        feasible TP up to it), its fixed cost charged before the next step; the width
+        before. Narrowing back costs nothing (and drops a widening never used)."""
+        if width < 1:
+            raise ValueError(f"widen: width={width}; allowed: >= 1")
+        before, self.width = self.width, width
+        tp = max([t for t in self.base.feasible_tps() if t <= self.base.tp * width],
+                 default=self.base.tp)
+        self.profile = self.base if tp == self.base.tp else self.base.variant(tp=tp)
+        self.pending_reconfig_s = RECONFIG_FIXED_S if width > 1 and width != before else 0.0
+        return before
 
     def load(self) -> None:
         """Nothing to load: the cold start is slept before the worker registers."""
@@ -188,12 +219,14 @@ class EmulatedEngine(GenerationBackend):
     # ---- generation --------------------------------------------------------------------
 
     def _t0(self) -> float:
-        """Emulated seconds before the first step: a new version's load, once."""
-        t0, self.pending_sync_s = self.pending_sync_s, 0.0
+        """Emulated seconds before the first step: a new version's load and a widening's
+        fixed cost, once."""
+        t0 = self.pending_sync_s + self.pending_reconfig_s
+        self.pending_sync_s = self.pending_reconfig_s = 0.0
         return t0
 
     def _cap(self, prompt: np.ndarray, lengths: np.ndarray) -> int:
-        if self.cap:
+        if self.cap and self.width == 1:
             return self.cap
         return self.profile.batch_cap(float(prompt.mean() + lengths.mean()) if prompt.size
                                       else 1.0)
@@ -258,6 +291,7 @@ class EmulatedEngine(GenerationBackend):
         finish = np.sort(run.finish_times())
         k = max(1, math.ceil(stop.until_finished * finish.size))
         t_cut = float(finish[k - 1]) if finish.size else 0.0
+        t_cut, by = self._sleep_or_stop(started, t_cut, run, stop)
         done, generated, _ = run.state_at(t_cut)
         paused = np.flatnonzero(~done)
         table = self._rollouts(rows.filter(pa.array(done)), lengths[done], params, worker,
@@ -265,16 +299,36 @@ class EmulatedEngine(GenerationBackend):
         cut = rows.take(paused)
         cut = cut.append_column("partial_ids", _tokens(generated[paused], pa.int32()))
         cut = cut.append_column("partial_logprobs", _tokens(generated[paused], pa.float32()))
-        handle = Paused(run, rows.take(paused), t_cut, started) if paused.size else None
+        handle = Paused(rows.take(paused), generated[paused], np.ones(paused.size, bool),
+                        started, run, t_cut) if paused.size else None
         record_steps(run, started, 0.0, self.time_scale, hi=run.steps_done(t_cut))
         if paused.size:
             at = started + t_cut * self.time_scale
-            phases.record("pause", at, at, rows=int(paused.size), by="tau")
+            phases.record("pause", at, at, rows=int(paused.size), by=by)
         late = _sleep_until(started, t_cut, self.time_scale)
         return Chunk(table, cut, self._stats(run.cut(t_cut), t_cut, late), handle)
 
+    def _sleep_or_stop(self, started: float, t_cut: float, run: WorkerRun,
+                       stop: StopRule) -> tuple[float, str]:
+        """Sleep towards ``t_cut`` (emulated) looking at the stop rule's pause and deadline
+        every ``PAUSE_POLL_S``: where one says stop, the cut moves to the end of the step
+        running then. Returns the cut and what made it ("tau" or "pause")."""
+        if stop.pause is None and stop.deadline is None:
+            return t_cut, "tau"
+        end = started + t_cut * self.time_scale
+        while (now := time.time()) < end:
+            if stop.interrupted():
+                step = run.steps_done((now - started) / self.time_scale)
+                if step < run.n_steps and float(run.t_step[step]) < t_cut:
+                    return float(run.t_step[step]), "pause"
+                return t_cut, "tau"
+            time.sleep(min(PAUSE_POLL_S, end - now))
+        return t_cut, "tau"
+
     def resume(self, paused: Paused, params: SamplingParams, *,
                worker: str = "local") -> tuple[pa.Table, GenerationStats]:
+        if paused.run is None:  # part of it left, or it was adopted: scheduled again
+            return self._reschedule(paused, params, worker, admitted=False)
         run, t_cut = paused.run, paused.t_cut
         started = time.time()
         emulated_s = run.t_finish - t_cut
@@ -292,19 +346,44 @@ class EmulatedEngine(GenerationBackend):
 
     def continue_rows(self, cut: pa.Table, params: SamplingParams, *,
                       worker: str = "local") -> tuple[pa.Table, GenerationStats]:
-        started = time.time()
         generated = _lengths(cut.column("partial_ids"))
-        prompt = _lengths(cut.column("prompt_ids"))
-        lengths = cut.column(LENGTH).to_numpy()
-        context = prompt + generated
-        run = simulate_run(self._t0(), np.arange(len(cut)), np.maximum(lengths - generated, 1),
-                           context, context.astype(float), self.profile,
+        return self._reschedule(Paused(cut, generated, np.zeros(len(cut), bool), time.time()),
+                                params, worker, admitted=True)
+
+    def _reschedule(self, paused: Paused, params: SamplingParams, worker: str,
+                    admitted: bool) -> tuple[pa.Table, GenerationStats]:
+        """Decode ``paused``'s sequences from where they are, on this engine at its width:
+        those whose KV is here go on, the others have their context prefilled as admitted,
+        after ``paused.load_s`` (its KV landing)."""
+        started = time.time()
+        prompt = _lengths(paused.rows.column("prompt_ids"))
+        lengths = paused.rows.column(LENGTH).to_numpy().astype(np.int64)
+        context = prompt + paused.generated
+        run = simulate_run(self._t0() + paused.load_s, np.arange(len(lengths)),
+                           np.maximum(lengths - paused.generated, 1), context,
+                           np.where(paused.kv, 0.0, context.astype(float)), self.profile,
                            self._cap(prompt, lengths))
-        table = self._rollouts(cut, lengths, params, worker, started,
+        table = self._rollouts(paused.rows, lengths, params, worker,
+                               started if admitted else paused.started,
                                started + run.t_finish * self.time_scale)
         record_steps(run, started, 0.0, self.time_scale)
         late = _sleep_until(started, run.t_finish, self.time_scale)
-        return table, self._stats(run, run.t_finish, late)
+        return table, self._stats(run, run.t_finish, late, admitted=admitted)
+
+    def export_paused(self, paused: Paused, positions: list[int] | None = None
+                      ) -> tails.EmulatedTail:
+        return tails.export(paused, positions, self.profile)
+
+    def adopt(self, exported: list[tails.EmulatedTail], recompute: pa.Table | None,
+              params: SamplingParams, stats: GenerationStats) -> Paused:
+        """One paused decoding of ``exported`` and ``recompute`` (``emulated_tails.adopt``);
+        ``stats`` gets the KV landing and the recomputation on the profile's clock."""
+        paused = tails.adopt(exported, recompute, self.profile)
+        redo = float(paused.context[~paused.kv].sum())
+        stats.prefill_tokens += int(redo)
+        stats.prefill_seconds += redo / self.profile.prefill_tokens_per_s
+        stats.kv_load_seconds += paused.load_s
+        return paused
 
 
 # ---- the trainer ----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A chunk (``rollout.generate_chunk_task``) leaves its unfinished sequences paused on its
 worker under a key. To continue them elsewhere *with* their KV cache:
 
-1. ``export_tail_task(key)`` runs on the source worker; its result, a ``TailKV``
-   (``ops/engine/kv_transfer.py``), stays in that worker's memory as a Dask task result;
+1. ``export_tail_task(key)`` runs on the source worker; its result, the engine's exported
+   tail (``TailKV`` of ``ops/engine/kv_transfer.py`` on our engine), stays in that
+   worker's memory as a Dask task result;
 2. ``adopt_tails_task([that future], new_key, ...)`` is pinned to the target worker; Dask
    fetches its argument from the source worker directly (worker to worker, never through
    the driver), and the task rebuilds the batch there, paused under ``new_key``, together
@@ -22,22 +23,22 @@ decoding there, which ``resume_adopted_task`` finishes once the adoption is done
 
 Once step 2 is done the tail lives on the target alone: the driver drops the export's
 future and the source may be retired or die without loss. ``resume_wide_task`` finishes a
-consolidated tail with more torch threads (reconfiguration), ``set_threads_task`` changes
-a worker's threads, and
-``profile_steps_task`` measures its decode step time by batch and threads.
+consolidated tail on a wider engine (reconfiguration: ``GenerationBackend.widen``, more
+threads on a CPU, a larger TP on GPUs), ``set_threads_task`` widens a worker, and
+``profile_steps_task`` measures its decode step time by batch and threads. Nothing here
+imports torch: an emulated worker runs these tasks too.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pyarrow as pa
-import torch
 from distributed import Reschedule, get_client, get_worker
 
 from rlhfless.ops.engine.engine_types import EngineSpec, WeightsRef, require_version
 from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
-from rlhfless.ops.engine.kv_transfer import TailKV, take_tail
 
 from .engines import worker_name
 from .rollout import PAUSED, GenSpec, generation_engine, resume_task, seeded, worker_engine
@@ -63,7 +64,7 @@ def _kv_engine(spec: EngineSpec, weights: WeightsRef):
     return engine, cold
 
 
-def _take_paused(key: str, source: str | None = None) -> TailKV:
+def _take_paused(key: str, source: str | None = None) -> Any:
     """The paused decoding ``key`` of this worker, exported. ``source``: the address of the
     worker it was paused on, for a task pinned there loosely (so that a dead source's task
     runs elsewhere and says ``TailLost``): a task that work stealing moved off a source
@@ -78,24 +79,24 @@ def _take_paused(key: str, source: str | None = None) -> TailKV:
     return worker_engine().export_paused(entry)
 
 
-def split_tail_task(key: str, positions: list[int], source: str | None = None) -> TailKV:
+def split_tail_task(key: str, positions: list[int], source: str | None = None) -> Any:
     """On the source worker (its address ``source``, as ``_take_paused``'s): the sequences
-    at ``positions`` of the paused decoding ``key`` as a ``TailKV``; the others stay paused
+    at ``positions`` of the paused decoding ``key`` as a tail; the others stay paused
     under ``key`` (all moved: ``key`` is gone)."""
     entry = PAUSED.get(key)
-    if entry is None or len(positions) == len(entry.dec.live):
+    if entry is None or len(positions) == len(entry.rows):
         return _take_paused(key, source)
     return worker_engine().export_paused(entry, positions)
 
 
-def export_tail_task(key: str, source: str | None = None) -> TailKV:
+def export_tail_task(key: str, source: str | None = None) -> Any:
     """On the source worker (its address ``source``, as ``_take_paused``'s): the paused
-    decoding ``key`` as a ``TailKV`` (it leaves the worker's paused decodings; the result
+    decoding ``key`` as a tail (it leaves the worker's paused decodings; the result
     is the only copy until a target adopts it)."""
     return _take_paused(key, source)
 
 
-def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: GenSpec,
+def adopt_tails_task(tails: list[Any], key: str, weights: WeightsRef, spec: GenSpec,
                      local: tuple[str, ...] = (), recompute: pa.Table | None = None,
                      seed: int | None = None) -> dict:
     """On the target worker: the sequences of ``tails`` (fetched by Dask from the workers
@@ -104,7 +105,9 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     chunk that cut them), as one decoding paused here under ``key``.
     Returns the move's facts: bytes and context tokens received, seconds from the last
     export to this task's start (``transfer_s``: scheduling and the worker-to-worker
-    fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``)."""
+    fetch), to rebuild the cache (``rebuild_s``) and to recompute (``recompute_s``). An
+    engine that computes nothing (the emulated one) times its KV landing on its own clock
+    (``GenerationStats.kv_load_seconds``): that is ``rebuild_s``, with no transfer apart."""
     arrived = time.time()
     engine, cold = _kv_engine(spec.engine, weights)
     own = [_take_paused(k) for k in local]
@@ -112,18 +115,20 @@ def adopt_tails_task(tails: list[TailKV], key: str, weights: WeightsRef, spec: G
     params = spec.sampling if seed is None else seeded(spec, seed)
     PAUSED[key] = paused = engine.adopt(own + list(tails), recompute, params, stats)
     exported = max((t.exported_at for t in tails), default=arrived)
+    own_clock = not engine.computes
     return {"worker": worker_name(), "key": key, "sequences": len(paused.rows),
             "bytes": sum(t.nbytes for t in tails), "export_s": sum(t.export_s for t in tails),
             "context_tokens": sum(t.context_tokens for t in tails),
-            "transfer_s": max(0.0, arrived - exported),
-            "rebuild_s": time.time() - arrived - stats.prefill_seconds,
+            "transfer_s": 0.0 if own_clock else max(0.0, arrived - exported),
+            "rebuild_s": stats.kv_load_seconds if own_clock
+            else time.time() - arrived - stats.prefill_seconds,
             "recompute_s": stats.prefill_seconds, "recompute_tokens": stats.prefill_tokens,
             "cold_start_s": cold}
 
 
-def take_tail_task(tail: TailKV, positions: list[int]) -> TailKV:
+def take_tail_task(tail: Any, positions: list[int]) -> Any:
     """On the source worker (where ``tail`` was exported): the part of it one target gets."""
-    return take_tail(tail, positions)
+    return tail.take(positions)
 
 
 def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Generated:
@@ -135,13 +140,13 @@ def resume_adopted_task(facts: dict, weights: WeightsRef, spec: GenSpec) -> Gene
 def resume_wide_task(facts: dict, weights: WeightsRef, spec: GenSpec,
                      threads: int) -> Generated:
     """On a reconfiguration's target: finish the consolidated decoding that
-    ``adopt_tails_task`` paused here with ``threads`` torch threads, then give the worker
-    its own threads back."""
-    before = set_threads_task(threads)
+    ``adopt_tails_task`` paused here on the engine widened to ``threads`` (the live
+    workers' threads together: ``GenerationBackend.widen``), then narrow it back."""
+    before = set_threads_task(threads, spec.engine)
     try:
         return resume_adopted_task(facts, weights, spec)
     finally:
-        torch.set_num_threads(before)
+        worker_engine().widen(before)
 
 
 def move_actual_s(path: str, facts: dict) -> float:
@@ -153,13 +158,13 @@ def move_actual_s(path: str, facts: dict) -> float:
     return facts["recompute_s"]
 
 
-def set_threads_task(threads: int) -> int:
-    """Set this worker's torch intra-op threads; returns the previous count."""
-    if threads < 1:
-        raise ValueError(f"set_threads_task: threads={threads}; allowed: >= 1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    return before
+def set_threads_task(threads: int, spec: EngineSpec) -> int:
+    """Widen this worker's engine (of ``spec``) to ``threads`` threads in all (a multiple of
+    its own: ``GenerationBackend.widen``); returns the width before."""
+    if threads < spec.threads or threads % spec.threads:
+        raise ValueError(f"set_threads_task: threads={threads}; allowed: a multiple of the "
+                         f"worker's own {spec.threads}")
+    return worker_engine().widen(threads // spec.threads)
 
 
 def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, ...],
@@ -168,24 +173,25 @@ def profile_steps_task(spec: GenSpec, weights: WeightsRef, batches: tuple[int, .
     """Decode step seconds of this worker's engine by (batch, threads), ``repeats`` samples
     each (``GenerationBackend.step_seconds``). Each thread count gets one untimed warm-up
     decode first (its thread pool starts); the repeats then cycle through every (threads,
-    batch), so a burst of outside load lands on all of them alike. The worker's torch
-    threads are restored afterwards."""
+    batch), so a burst of outside load lands on all of them alike. The engine is narrowed
+    back to its own width afterwards."""
     engine, _, _ = generation_engine(spec.engine, weights)
+    own = spec.engine.threads
 
     def step_seconds(batch: int) -> float:
         return engine.step_seconds(batch, steps, prompt_tokens)
 
-    before = torch.get_num_threads()
     out: dict[tuple[int, int], list[float]] = {(b, t): [] for t in threads for b in batches}
+    before = engine.widen(1)
     try:
         for t in threads:
-            torch.set_num_threads(t)
+            engine.widen(t // own)
             step_seconds(max(batches))
         for _ in range(repeats):
             for t in threads:
-                torch.set_num_threads(t)
+                engine.widen(t // own)
                 for b in batches:
                     out[(b, t)].append(step_seconds(b))
     finally:
-        torch.set_num_threads(before)
+        engine.widen(before)
     return out

@@ -48,10 +48,12 @@ again with its tail recomputed on the target from the cut rows the driver holds 
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pa_compute
 
 from rlhfless.ops.data.prefix_dedup import plan_prefixes
 from rlhfless.ops.data.shard import take_shards
@@ -63,6 +65,7 @@ from rlhfless.schedulers.dask.plugin import (
     install_sizing,
 )
 from rlhfless.schedulers.scaling_policy import IterationTimings, ScalingPolicy
+from rlhfless.schedulers.tail_cost import TransferModel
 
 from ..cluster.pools import PoolCluster
 from ..config import Config
@@ -83,13 +86,19 @@ class ElasticGeneration(Generation):
         (default: the trainer's workers)."""
         super().__init__(pc, cfg, run, scaling)
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
-        # an engine that cannot export its KV (vllm, the emulated one) moves by recompute
-        self.kv_moves = engine_class(cfg.backend).exports_kv
+        # an engine that cannot export its KV (vllm) moves by recompute
+        engine = engine_class(cfg.backend)
+        self.kv_moves = engine.exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
         # what the policy may do with paused tails; split and reconfiguration are timed by
         # a step profile the run measures on its pool (``step_profile.py``)
-        self.tail_actions = engine_class(cfg.backend).tail_actions
+        self.tail_actions = engine.tail_actions
         self.force_tail = "" if cfg.tail_action == "auto" else cfg.tail_action
+        # a reconfiguration's sources leave (threads of one machine), or stay held by its
+        # target until it ends (a wider TP over their GPUs: the emulated engine)
+        self.reconfig_releases = engine.reconfig_releases
+        # wall seconds per second of the engine's clock (the emulated engine's scale)
+        self.clock_scale = 1.0 if engine.computes else cfg.emulate_time_scale
         self.declared = False  # the engine's tail actions are logged at the first iteration
 
     # ---- decisions ---------------------------------------------------------------------
@@ -139,9 +148,12 @@ class ElasticGeneration(Generation):
         decision, workers, scale_record = self.scale_pool(plan.prompts, iteration)
         shards = take_shards(plan.prompts, decision.assignment)
         ids = plan.prompts.column("prompt_id").to_pylist()
-        if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # a prior
-            self.scaling.kv.kv_bytes_per_token = engine_class(
-                specs.gen.engine.backend).kv_bytes_per_token(specs.gen.engine)
+        if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # priors
+            engine = engine_class(specs.gen.engine.backend)
+            self.scaling.kv.kv_bytes_per_token = engine.kv_bytes_per_token(specs.gen.engine)
+            link = engine.kv_link_bytes_per_s(specs.gen.engine)
+            if link:
+                self.scaling.kv.transfer = TransferModel(prior_bytes_per_s=link)
         if not self.declared:  # once per run: what the tail decision may and may not do
             self.declared = True
             self.log(iteration, pool="gen", kind="tail_actions", backend=self.cfg.backend,
@@ -151,7 +163,7 @@ class ElasticGeneration(Generation):
         episodes = specs.gen.episodes is not None or specs.gen.agent is not None
         if (len(workers) > 1 and self.scaling.step_profile is None and not episodes
                 and {"split", "reconfig"} & self.tail_actions):  # episodes never pause
-            self.measure_steps(workers, specs, weights, iteration)
+            self.measure_steps(workers, specs, weights, iteration, plan.prompts)
         round_ = self.round_class(self, iteration, workers,
                                   dict(zip(ids, self.scaling.predict(ids)[1])))
         trainables, migrated, released = round_.run(shards, workers, weights, specs, seed)
@@ -171,11 +183,22 @@ class ElasticGeneration(Generation):
         return plan, trainables, facts
 
     def measure_steps(self, workers: list[str], specs, weights: WeightsRef,
-                      iteration: int) -> None:
+                      iteration: int, prompts: pa.Table) -> None:
         """The decode step profile the tail decision is timed by, measured on the pool
-        (``measure_step_profile``) and logged."""
+        (``measure_step_profile``) and logged. An engine that computes nothing is timed at
+        no cost where the tails will run: batches up to the iteration's sequences, its
+        prompts' mean length plus a quarter of ``max_new_tokens`` of context."""
         started = time.time()
-        profile = measure_step_profile(self.pc, workers, specs.gen, weights)
+        if engine_class(self.cfg.backend).computes:
+            profile = measure_step_profile(self.pc, workers, specs.gen, weights)
+        else:
+            n = len(prompts) * self.cfg.n_samples
+            context = float(pa_compute.mean(pa_compute.list_value_length(
+                prompts.column("prompt_ids"))).as_py() or 0.0) + self.cfg.max_new_tokens / 4
+            profile = measure_step_profile(
+                self.pc, workers, specs.gen, weights,
+                batches=tuple(2 ** k for k in range(max(2, math.ceil(math.log2(n))) + 1)),
+                repeats=1, prompt_tokens=int(context))
         self.scaling.step_profile = profile
         self.log(iteration, pool="gen", kind="step_profile", workers=len(workers),
                  seconds=time.time() - started, **profile.to_record())

@@ -88,6 +88,9 @@ class ElasticRound(TailActions):
         # the pool's tails decided together (``tail_actions.py``) where the engine can split
         # or consolidate them and the run has measured its step profile
         self.tail_actions, self.force = controller.tail_actions, controller.force_tail
+        self.releases = controller.reconfig_releases
+        self.lent: set[str] = set()  # held by a reconfiguration's target until it ends
+        self.clock_scale = controller.clock_scale  # wall seconds per engine second
         self.joint = (len(workers) > 1 and self.scaling.step_profile is not None
                       and bool({"split", "reconfig"} & self.tail_actions))
         self.pause = f"tail-pause-{uuid.uuid4().hex}" if self.joint else None
@@ -296,7 +299,8 @@ class ElasticRound(TailActions):
             self._submit(move.shard, move.target, load, continue_task, move.part,
                          move.weights, gen, move.seed, key=continued)
             return continued
-        client, at = self.pc.client, [self.pc.address_of(move.target)]
+        target, address = self._placed(move.target, continued)  # it may have left the pool
+        move, client, at = replace(move, target=target), self.pc.client, [address]
         paused = move.key("moved", tag)  # the tail's name there
         if path == "transfer":
             tail = sent if move.rows == list(range(move.n_tail)) else client.submit(
@@ -371,7 +375,8 @@ class ElasticRound(TailActions):
         sizing the pool, a worker idle once no other is busy is the drained queue's to
         release."""
         if (self.load[worker].busy or len(self.load[worker].seq_ids) or worker in self.exports
-                or worker in {w for _, w in self.where.values()}):
+                or worker in {w for _, w in self.where.values()}
+                or worker in self.lent and self.where):
             return []
         busy = [p for p in self.load.values() if p.busy]
         if self.queue_sizing and not busy:

@@ -37,7 +37,7 @@ from rlhfless.schedulers.scaling_policy import Tail
 from rlhfless.schedulers.tail_cost import KvChoice
 
 from ..task_keys import task_key
-from ..tasks.rollout import resume_task
+from ..tasks.rollout import drop_task, resume_task
 from ..tasks.tail import (
     adopt_tails_task,
     move_actual_s,
@@ -128,31 +128,45 @@ class TailActions:
         return sum(len(m.positions) for m in sheds)
 
     def _reconfig(self, by_worker: dict, plan, weights, specs, seed: int) -> int:
-        """Every other tail to ``plan.target`` (exported, or its rows to recompute), decoded
-        there with ``plan.threads`` threads; the sources released once landed."""
+        """Every other tail to ``plan.target`` (exported, or dropped there and its rows
+        recomputed), decoded there on ``plan.threads`` threads' width; the sources released
+        once landed where the engine gives their threads to the target
+        (``reconfig_releases``), else held by it until it ends."""
         c, at = self.pc.client, self.pc.address_of
-        parts = {}
+        parts, paths = {}, {}
         for w, (shard, key, out) in by_worker.items():
-            if w != plan.target:
-                sent = c.submit(split_tail_task, key, list(range(len(out["cut"]))), at(w),
-                                workers=[at(w)], allow_other_workers=True, pure=False,
-                                key=task_key("export", self.iteration, shard))
-                parts[w] = (sent, out["cut"], sum(self._context(out["cut"])))
+            if w == plan.target:
+                continue
+            context = sum(self._context(out["cut"]))
+            paths[w] = self._path(context)
+            task = (split_tail_task, key, list(range(len(out["cut"]))), at(w)) \
+                if paths[w].path == "transfer" else (drop_task, key)
+            sent = c.submit(*task, workers=[at(w)], allow_other_workers=True, pure=False,
+                            key=task_key("export", self.iteration, shard))
+            parts[w] = (sent, out["cut"], context)
         wait([p[0] for p in parts.values()])
         self._land(plan.target, parts, by_worker, weights, specs, seed, list(parts),
-                   "reconfig", plan.threads)
+                   "reconfig", plan.threads, paths)
         return sum(len(p[1]) for p in parts.values())
 
+    def _path(self, context_tokens: int) -> KvChoice:
+        """How a landing's context reaches its target: the cost model's choice, or the path
+        the run forces for every landing."""
+        path = self.scaling.kv_path(context_tokens)
+        if self.force in ("kv", "recompute"):
+            return KvChoice("transfer" if self.force == "kv" else "recompute",
+                            path.transfer_s, path.recompute_s)
+        return path
+
     def _land(self, dst: str, parts: dict, by_worker: dict, weights, specs, seed: int,
-              release: list[str], action: str, threads: int | None = None) -> None:
+              release: list[str], action: str, threads: int | None = None,
+              paths: dict[str, KvChoice] | None = None) -> None:
         """Adopt on ``dst`` the ``parts`` (source -> its exported future, its cut rows, its
-        context tokens), each by KV or recomputed (``kv_path``), with ``dst``'s own paused
-        tail, and decode them all there; the rows are handed back to their shards."""
+        context tokens), each by KV or recomputed (``paths``, else ``_path``), with
+        ``dst``'s own paused tail, and decode them all there; the rows are handed back to
+        their shards."""
         c, at = self.pc.client, self.pc.address_of
-        paths = {s: self.scaling.kv_path(ctx) for s, (_, _, ctx) in parts.items()}
-        if self.force in ("kv", "recompute"):  # a forced path holds for every landing
-            paths = {s: KvChoice("transfer" if self.force == "kv" else "recompute",
-                                 p.transfer_s, p.recompute_s) for s, p in paths.items()}
+        paths = paths or {s: self._path(ctx) for s, (_, _, ctx) in parts.items()}
         kv = [parts[s][0] for s in parts if paths[s].path == "transfer"]
         redo = [parts[s][1] for s in parts if paths[s].path == "recompute"]
         own = by_worker.get(dst)
@@ -196,6 +210,9 @@ class TailActions:
         released = []
         for source in record["release"]:
             self.load[source] = WorkerProgress(0, 0, busy=False)
+            if not self.releases:  # its GPUs decode the target's wider TP until it ends
+                self.lent.add(source)
+                continue
             for name in self.pc.retire([source]):
                 self.load.pop(name, None)
                 released.append(name)
@@ -222,7 +239,8 @@ class TailActions:
         record, keys, started = self.decision
         keys.discard(key)
         if not keys or key is None:
-            self.log(self.iteration, **record, actual_s=time.time() - started)
+            self.log(self.iteration, **record,
+                     actual_s=(time.time() - started) / self.clock_scale)
             self.decision = None
 
     @staticmethod

@@ -14,7 +14,7 @@ import pytest
 from rlhfless.ops.algo.update import UpdateParams
 from rlhfless.ops.data.schema import ROLLOUTS
 from rlhfless.ops.engine.engine_types import EngineSpec, SamplingParams, StopRule, WeightsRef
-from rlhfless.ops.engine.gen_stats import Generated
+from rlhfless.ops.engine.gen_stats import Generated, GenerationStats
 from rlhfless.ops.engine.registry import make_engine, resolved
 from rlhfless.pipeline.tasks import emulated as emu
 from rlhfless.pipeline.tasks.trainer import TrainSpec
@@ -134,7 +134,70 @@ def test_the_update_takes_the_learners_time():
 
 
 def test_an_emulated_worker_imports_no_torch():
-    """What an emulated generation worker preloads (pools.gen_tasks) loads no framework."""
-    code = ("import sys; import rlhfless.pipeline.tasks.emulated, rlhfless.pipeline.tasks.rollout; "
+    """What an emulated generation worker preloads (pools.gen_tasks: the tail tasks too, as
+    the engine exports its tails) loads no framework."""
+    code = ("import sys; import rlhfless.pipeline.tasks.emulated, rlhfless.pipeline.tasks.rollout,"
+            " rlhfless.pipeline.tasks.tail; "
             "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_pause_stops_the_chunk_at_the_end_of_the_step_it_is_in():
+    """The stop rule's pause, looked at as the chunk sleeps, cuts at a step boundary before
+    tau would; every unfinished sequence holds as many tokens as steps ran (all were
+    admitted at the first), and the rest resumed makes the whole schedule."""
+    lengths = [[40, 80, 120, 500], [10, 20, 30, 50]]
+    engine = _engine()
+    chunk = engine.generate_until(_shard(lengths), N, PARAMS, StopRule(0.5, lambda: True))
+    steps = chunk.stats.decode_steps
+    assert 1 <= steps < 40  # tau would have cut at 40 steps (the fourth of eight done)
+    partial = [len(p) for p in chunk.cut.column("partial_ids").to_pylist()]
+    assert partial == [steps] * len(chunk.cut)
+    assert len(chunk.done) == sum(n <= steps for n in sum(lengths, []))
+    rest_table, rest_stats = engine.resume(chunk.paused, PARAMS)
+    both = chunk.stats.merge(rest_stats)
+    assert both.gen_seconds == pytest.approx(60 / 600 + _decode_s(sum(lengths, []), 30))
+    assert len(chunk.done) + len(rest_table) == 8
+
+
+def _wide_decode_s(profile, remaining: list[int], ctx: list[int]) -> float:
+    """Hand-worked decode seconds of sequences all live from the first step (the cap far
+    above them) on ``profile``: sequence i adds its per-sequence part and ctx_i + s context
+    tokens at its step s."""
+    return (profile.step_base_s * max(remaining) + profile.step_per_seq_s * sum(remaining)
+            + profile.step_per_ctx_token_s * sum(n * c + n * (n - 1) / 2
+                                                 for n, c in zip(remaining, ctx)))
+
+
+def test_tails_consolidated_on_an_engine_widened_to_tp2_take_its_time():
+    """PAT's reconfiguration on the emulated engine: one worker's tail exported, adopted
+    with the target's own, the target widened to TP 2: the fixed reconfiguration cost, the
+    KV transfer at the TP-1 worker's link, then decoding on the profile re-derived at TP 2."""
+    from rlhfless.schedulers.pat import RECONFIG_FIXED_S
+    from rlhfless.schedulers.profiles import LINK_EFFICIENCY
+
+    real = get_profile("Qwen2.5-3B@L40S")
+    engines = [_engine(), _engine()]
+    for e in engines:
+        e.base = e.profile = real
+    chunks = [e.generate_until(_shard([[40, 80, 120, 500]]), N, PARAMS, StopRule(0.5))
+              for e in engines]
+    source, target = engines
+    moved = dataclasses.replace(source.export_paused(chunks[0].paused), pid=-1)  # elsewhere
+    own = target.export_paused(chunks[1].paused)
+    assert moved.context_tokens == own.context_tokens == 2 * (30 + 80)
+    stats = GenerationStats()
+    adopted = target.adopt([own, moved], None, PARAMS, stats)
+    link = real.hardware.gpu_link_gbs * 1e9 * LINK_EFFICIENCY  # one TP-1 worker's GPU
+    transfer = 220 * real.kv_bytes_per_token / link  # the remote tail's bytes; own stay
+    assert stats.kv_load_seconds == pytest.approx(transfer) and stats.prefill_tokens == 0
+    assert target.widen(2) == 1 and target.profile.tp == 2
+    table, wide = target.resume(adopted, PARAMS)
+    tp2 = real.variant(tp=2)
+    assert tp2.step_base_s < real.step_base_s  # each GPU reads half the weights
+    expected = RECONFIG_FIXED_S + transfer + _wide_decode_s(tp2, [40, 420] * 2, [110] * 4)
+    assert wide.gen_seconds == pytest.approx(expected)
+    assert sorted(len(r) for r in table.column("response_ids").to_pylist()) == [
+        120, 120, 500, 500]
+    assert target.widen(1) == 2 and target.profile is real
+    assert target._t0() == 0.0  # nothing left to charge once narrowed

@@ -15,6 +15,7 @@ from test_kv_elastic import every_paused_tail_moves
 from rlhfless.pipeline.cluster.pools import Pool, PoolCluster
 from rlhfless.pipeline.config import make_config
 from rlhfless.pipeline.report.trace_events import read_trace
+from rlhfless.pipeline.tasks.emulated import EmulatedEngine
 from rlhfless.pipeline.train.emulation import (
     QUIET_WORKER_CONFIG,
     EmulatedDeployment,
@@ -106,12 +107,20 @@ def always_moving(policy: ScalingPolicy) -> ScalingPolicy:
     return policy
 
 
+def moving_one_by_one(monkeypatch) -> None:
+    """The engine offers no split or reconfiguration (as vLLM's): each paused tail is
+    decided on its own, not the pool's together."""
+    monkeypatch.setattr(EmulatedEngine, "tail_actions", frozenset({"stay", "kv", "recompute"}))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path, monkeypatch,
-                                                                       mode):
+def test_an_elastic_run_moves_its_tails_one_by_one_and_loses_nothing(tmp_path, monkeypatch,
+                                                                     mode):
     """Every paused tail is moved (the planner's own choices are tested in tests/schedulers):
-    the runtime lands each move by recomputation, the emulated engine keeping no KV cache."""
+    the runtime lands each move, its KV exported or its context recomputed, as the cost
+    model says."""
+    moving_one_by_one(monkeypatch)
     scaling = Emulation.scaling
     monkeypatch.setattr(Emulation, "scaling", lambda self: always_moving(scaling(self)))
     run = train(_config(tmp_path, "elastic", tau=0.5, mode=mode), progress=False,
@@ -122,13 +131,13 @@ def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path,
     decisions = [json.loads(x) for x in (run.path / "decisions.jsonl").read_text().splitlines()]
     assert [d["iteration"] for d in decisions if d["kind"] == "scale"] == [1, 2]
     (declared,) = [d for d in decisions if d["kind"] == "tail_actions"]  # what it cannot do
-    assert declared["supported"] == ["recompute", "stay"]
-    assert set(declared["refused"]) == {"kv", "split", "reconfig"}
+    assert declared["supported"] == ["kv", "recompute", "stay"]
+    assert set(declared["refused"]) == {"split", "reconfig"}
     assert not [d for d in decisions if d["kind"] in ("step_profile", "tail")]
     moves = [d for d in decisions if d["kind"] == "migrate"]
     assert moves and all(m["reason"].startswith("test: always move") for m in moves), moves
-    for move in moves:  # no KV cache: recompute
-        assert move["path"] == "recompute" and "keeps no exportable KV cache" in move["reason"]
+    for move in moves:
+        assert move["path"] in ("transfer", "recompute")
         assert move["actual_s"] >= 0 and move["landed_sequences"] == move["sequences"]
     # the trace shows each move on both workers: the chunk cut on one, its rest on the other
     events = read_trace(run.path / "trace.json")
@@ -139,6 +148,39 @@ def test_an_elastic_run_moves_its_tails_by_recompute_and_loses_nothing(tmp_path,
         assert move["source"] != move["target"]
         assert {("generate", move["iteration"], move["source"]),
                 ("continue", move["iteration"], move["target"])} <= ran, move
+
+
+@pytest.mark.slow
+def test_a_forced_reconfiguration_widens_the_target_and_holds_its_sources(tmp_path):
+    """``tail_action = "reconfig"`` on two emulated workers: at the pool's pause every
+    tail is consolidated onto one worker widened to TP 2 (PAT), the other's tail landed by
+    KV or recomputed; the source is held, not released, while the target decodes; every
+    (prompt, sample) once, each iteration."""
+    run = train(_config(tmp_path, "elastic", tau=0.5, tail_action="reconfig",
+                        gen_min_workers=2), progress=False, log=lambda _: None)
+    _each_sample_once(run, _trace())
+    decisions = [json.loads(x) for x in (run.path / "decisions.jsonl").read_text().splitlines()]
+    (declared,) = [d for d in decisions if d["kind"] == "tail_actions"]
+    assert declared["supported"] == ["kv", "recompute", "reconfig", "split", "stay"]
+    (profile,) = [d for d in decisions if d["kind"] == "step_profile"]
+    assert {"1x1", "1x2"} <= set(profile["median_s"])  # TP 1 and TP 2, by batch
+    tails = [d for d in decisions if d["kind"] == "tail"]
+    landed = [d for d in decisions if d["kind"] == "tail_move"]
+    assert [d["iteration"] for d in tails] == [d["iteration"] for d in landed] == [1, 2]
+    events = read_trace(run.path / "trace.json")
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    ran = {(e["name"], e["args"].get("iteration"), tracks[e["pid"]]) for e in events
+           if e["ph"] == "X" and e["cat"] == "task"}
+    for tail, move in zip(tails, landed):
+        assert tail["action"] == "reconfig" and tail["reason"].startswith("forced: ")
+        assert tail["actual_s"] > 0 and tail["sequences_moved"] > 0
+        (source,) = move["moves"]
+        assert move["action"] == "reconfig" and source != move["target"]
+        assert move["moves"][source]["path"] in ("transfer", "recompute")
+        assert ("resume", tail["iteration"], move["target"]) in ran
+        # held by the wider TP while it decodes: released, if at all, after generation
+        assert not [d for d in decisions if d["kind"] == "release"
+                    and "consolidated" in d.get("reason", "")]
 
 
 def moving_to(policy: ScalingPolicy, target: str) -> ScalingPolicy:
@@ -154,6 +196,7 @@ def test_a_move_to_a_worker_that_has_gone_lands_on_another(tmp_path, monkeypatch
     """The policy sends each tail to a worker that is not in the pool (one released or lost
     between the decision and the move): the controller replaces it by a worker of the pool,
     says so, and loses no sample (before: KeyError, the run ended)."""
+    moving_one_by_one(monkeypatch)
     scaling = Emulation.scaling
     monkeypatch.setattr(Emulation, "scaling",
                         lambda self: moving_to(scaling(self), "gen-gone"))
