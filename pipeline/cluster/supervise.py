@@ -27,7 +27,9 @@
   scheduler once its silence passes the deadline of the decoding task it was given, or
   ``min_stall_s`` whatever it holds (a silent worker holding finished results would hold
   up the driver as surely), and at ``worker_ttl_s`` (Dask's worker TTL, which the run sets
-  to it) whatever its task's deadline, checked every ``CHECK_S`` where Dask checks every
+  to it) whatever its task's deadline (its silence not counting the time this event loop
+  was held up, when heartbeats that arrived were not read: the driver's process runs the
+  scheduler), checked every ``CHECK_S`` where Dask checks every
   TTL and then waits on the nanny of a host that may not answer: its tasks and
   results are computed again elsewhere at once, and its nanny is then told to kill and
   restart it (a stopped process comes back; the nanny of a host cut off cannot be
@@ -83,6 +85,7 @@ class StallWatch(SchedulerPlugin):
         self.restarting: set[str] = set()
         self.records: list[dict] = []
         self.last_check = time()
+        self.holds: list[tuple[float, float]] = []  # (when, seconds) this loop was held up
         self.callback = PeriodicCallback(self.check, CHECK_S * 1000)
         scheduler.periodic_callbacks[self.name] = self.callback
         self.callback.start()
@@ -96,6 +99,9 @@ class StallWatch(SchedulerPlugin):
         if gap > CHECK_S:  # this event loop was held up: time not watched is no evidence
             self.seen = {k: (t + gap, b) for k, (t, b) in self.seen.items()}
             self.moved = {a: (c, t + gap) for a, (c, t) in self.moved.items()}
+            self.holds.append((now, gap))  # nor silence: heartbeats were not read
+        oldest = min((ws.last_seen for ws in self.scheduler.workers.values()), default=now)
+        self.holds = [(t, g) for t, g in self.holds if t > oldest]
         for address, ws in self.scheduler.workers.items():
             count = ws.metrics.get(BEATS_METRIC)
             before = self.moved.get(address, (count,))[0]  # the count at the last check
@@ -127,7 +133,8 @@ class StallWatch(SchedulerPlugin):
         stopped, hung or cut off: removed, its task and its results computed again
         elsewhere, and restarted where its nanny answers. Its beats cannot tell: none
         arrive."""
-        silent = now - ws.last_seen
+        silent = now - ws.last_seen - sum(min(g, t - ws.last_seen) for t, g in self.holds
+                                          if t > ws.last_seen)
         if silent <= self.floor_s or address in self.restarting:
             return
         tasks = [ts for ts in ws.processing if stage_of(ts.key) in WATCHED]

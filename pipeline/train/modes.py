@@ -201,7 +201,10 @@ class ModeRunner:
                 self._generate_until(iteration + self.ahead, weights, iteration)
             self._submit_update(self.jobs[iteration], weights)
             self._generate_until(iteration + self.ahead, weights, iteration)
-            return self._finish(self.jobs.pop(iteration), weights, started)
+            # the batch stays among the jobs until it is finished: a failure releases it too
+            done = self._finish(self.jobs[iteration], weights, started)
+            del self.jobs[iteration]
+            return done
         except BaseException:
             self.close()
             raise
