@@ -91,7 +91,7 @@ class TailActions:
         elif choice.action == "split":
             moved = self._split(by_worker, choice.split.moves, weights, specs, seed)
         elif choice.action == "reconfig":
-            moved = self._reconfig(by_worker, choice.reconfig, weights, specs, seed)
+            moved = self._reconfig(by_worker, tails, choice.reconfig, weights, specs, seed)
         else:
             for w, (shard, key, out) in by_worker.items():
                 self._resume(shard, w, key, out, weights, specs)
@@ -127,7 +127,8 @@ class TailActions:
             self._land(dst, parts, by_worker, weights, specs, seed, [], "split")
         return sum(len(m.positions) for m in sheds)
 
-    def _reconfig(self, by_worker: dict, plan, weights, specs, seed: int) -> int:
+    def _reconfig(self, by_worker: dict, tails: dict[str, Tail], plan, weights, specs,
+                  seed: int) -> int:
         """Every other tail to ``plan.target`` (exported, or dropped there and its rows
         recomputed), decoded there on ``plan.threads`` threads' width; the sources released
         once landed where the engine gives their threads to the target
@@ -137,7 +138,7 @@ class TailActions:
         for w, (shard, key, out) in by_worker.items():
             if w == plan.target:
                 continue
-            context = sum(self._context(out["cut"]))
+            context = sum(tails[w].context)
             paths[w] = self._path(context)
             task = (split_tail_task, key, list(range(len(out["cut"]))), at(w)) \
                 if paths[w].path == "transfer" else (drop_task, key)
@@ -242,9 +243,3 @@ class TailActions:
             self.log(self.iteration, **record,
                      actual_s=(time.time() - started) / self.clock_scale)
             self.decision = None
-
-    @staticmethod
-    def _context(cut: pa.Table) -> list[int]:
-        """Context tokens of each cut row: prompt + generated so far."""
-        return [len(p) + len(g) for p, g in zip(cut.column("prompt_ids").to_pylist(),
-                                                cut.column("partial_ids").to_pylist())]
