@@ -104,6 +104,7 @@ class HFBackend(GenerationBackend):
     def __init__(self, model_path: str | Path, device: str = "auto", threads: int = 1,
                  lora: LoraSpec | None = None, dtype: str = "auto") -> None:
         self.model_path, self.device_name, self.threads = str(model_path), device, threads
+        self.width = 1  # times ``threads`` it decodes with (``widen``)
         self.dtype_name = dtype
         self.lora = lora  # adapters on the model (lora.py); published versions carry them
         self.model: torch.nn.Module | None = None
@@ -135,7 +136,7 @@ class HFBackend(GenerationBackend):
         """``width`` times the worker's torch threads (1: its own); the width before."""
         if width < 1:
             raise ValueError(f"widen: width={width}; allowed: >= 1")
-        before, self.width = getattr(self, "width", 1), width
+        before, self.width = self.width, width
         torch.set_num_threads(self.threads * width)
         return before
 
