@@ -101,9 +101,11 @@ def test_colocate_is_refused_in_one_line_without_cuda():
 
 
 def test_a_tail_action_the_backend_cannot_take_is_one_line():
-    """vLLM and the emulated engine keep no exportable KV: they stay or recompute."""
+    """vLLM keeps no exportable KV: it stays or recomputes; the emulated engine takes every
+    action."""
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["backend=emulated", "tail_action=split"])
-    assert str(err.value) == ("tail_action = 'split': backend 'emulated' can take "
+        load_config(None, ["backend=vllm", "tail_action=split"])
+    assert str(err.value) == ("tail_action = 'split': backend 'vllm' can take "
                               "recompute, stay")
+    assert load_config(None, ["backend=emulated", "tail_action=split"]).tail_action == "split"
     assert load_config(None, ["tail_action=reconfig"]).tail_action == "reconfig"

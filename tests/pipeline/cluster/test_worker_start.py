@@ -33,10 +33,13 @@ def test_each_pool_preloads_its_task_module():
 
 
 def test_workers_of_an_engine_that_exports_no_kv_do_not_import_the_tail_tasks():
-    """The tail tasks import torch; an emulated worker, which never moves a KV cache, stays
-    free of it (64 of them fit a small machine)."""
-    gen, _ = pools_from_config(Config(backend="emulated"))
+    """vLLM's workers never move a KV cache: they preload the generation tasks alone; the
+    emulated engine's, which move their tails as data, preload the tail tasks too (which
+    import no framework: ``test_emulated_engine.py``)."""
+    gen, _ = pools_from_config(Config(backend="vllm"))
     assert gen.preload == GEN_TASKS
+    gen, _ = pools_from_config(Config(backend="emulated"))
+    assert gen.preload == (*GEN_TASKS, *TAIL_TASKS)
 
 
 def _preloaded(dask_worker) -> bool:
