@@ -80,6 +80,7 @@ from .emulated_tails import LENGTH, Paused
 from .emulated_tails import lengths_of as _lengths
 
 LENGTHS = "emulated_lengths"  # prompt column: the trace's response lengths of its group
+DEFAULT_PROFILE = "Qwen2.5-3B@L40S"
 PAUSE_POLL_S = 0.01  # wall seconds between looks at the stop rule while a chunk sleeps
 COLD_START_ENV = "RLHFLESS_EMULATED_COLD_START_WALL_S"  # read by ``dask_setup``
 WEIGHTS_PATH = "emulated"  # where an emulated version "lives": nowhere
@@ -146,7 +147,7 @@ class EmulatedEngine(GenerationBackend):
     tail_actions = frozenset(TAIL_ACTIONS)
     reconfig_releases = False
 
-    def __init__(self, model_path: str, profile: str = "Qwen2.5-3B@L40S",
+    def __init__(self, model_path: str, profile: str = DEFAULT_PROFILE,
                  time_scale: float = 0.05, cap: int = 0) -> None:
         self.model_path = model_path
         self.base: Profile = get_profile(profile)
@@ -159,7 +160,7 @@ class EmulatedEngine(GenerationBackend):
 
     @staticmethod
     def _spec_profile(spec: EngineSpec) -> Profile:
-        return get_profile(spec.options.get("profile", "Qwen2.5-3B@L40S"))
+        return get_profile(spec.options.get("profile", DEFAULT_PROFILE))
 
     @classmethod
     def kv_bytes_per_token(cls, spec: EngineSpec) -> float:

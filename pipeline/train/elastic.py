@@ -87,7 +87,7 @@ class ElasticGeneration(Generation):
         super().__init__(pc, cfg, run, scaling)
         self.rest_workers = cfg.train_workers if rest_workers is None else rest_workers
         # an engine that cannot export its KV (vllm) moves by recompute
-        engine = engine_class(cfg.backend)
+        self.engine = engine = engine_class(cfg.backend)
         self.kv_moves = engine.exports_kv
         self.queue_sizing = cfg.overlaps  # no iteration barrier: the queue sizes the pool
         # what the policy may do with paused tails; split and reconfiguration are timed by
@@ -149,9 +149,8 @@ class ElasticGeneration(Generation):
         shards = take_shards(plan.prompts, decision.assignment)
         ids = plan.prompts.column("prompt_id").to_pylist()
         if self.kv_moves and self.scaling.kv.kv_bytes_per_token is None:  # priors
-            engine = engine_class(specs.gen.engine.backend)
-            self.scaling.kv.kv_bytes_per_token = engine.kv_bytes_per_token(specs.gen.engine)
-            link = engine.kv_link_bytes_per_s(specs.gen.engine)
+            self.scaling.kv.kv_bytes_per_token = self.engine.kv_bytes_per_token(specs.gen.engine)
+            link = self.engine.kv_link_bytes_per_s(specs.gen.engine)
             if link:
                 self.scaling.kv.transfer = TransferModel(prior_bytes_per_s=link)
         if not self.declared:  # once per run: what the tail decision may and may not do
@@ -189,7 +188,7 @@ class ElasticGeneration(Generation):
         no cost where the tails will run: batches up to the iteration's sequences, its
         prompts' mean length plus a quarter of ``max_new_tokens`` of context."""
         started = time.time()
-        if engine_class(self.cfg.backend).computes:
+        if self.engine.computes:
             profile = measure_step_profile(self.pc, workers, specs.gen, weights)
         else:
             n = len(prompts) * self.cfg.n_samples

@@ -40,6 +40,7 @@ from ..task_keys import task_key
 from ..tasks.rollout import drop_task, resume_task
 from ..tasks.tail import (
     adopt_tails_task,
+    export_tail_task,
     move_actual_s,
     resume_adopted_task,
     resume_wide_task,
@@ -140,8 +141,8 @@ class TailActions:
                 continue
             context = sum(tails[w].context)
             paths[w] = self._path(context)
-            task = (split_tail_task, key, list(range(len(out["cut"]))), at(w)) \
-                if paths[w].path == "transfer" else (drop_task, key)
+            task = (export_tail_task, key, at(w)) if paths[w].path == "transfer" \
+                else (drop_task, key)
             sent = c.submit(*task, workers=[at(w)], allow_other_workers=True, pure=False,
                             key=task_key("export", self.iteration, shard))
             parts[w] = (sent, out["cut"], context)
