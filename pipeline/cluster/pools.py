@@ -23,6 +23,8 @@ import os
 import time
 from dataclasses import replace
 
+import dask
+from dask.utils import parse_timedelta
 from distributed import Client
 from distributed.core import Status
 
@@ -117,6 +119,7 @@ class PoolCluster:
                                 for p in pools})
         self.client = Client(self.cluster)
         self.adaptive_pool = adaptive_pool
+        self.left: dict[str, float] = {}  # name -> when it left unasked, not back yet
         self.adaptive = self.cluster.adapt(Adaptive=PoolAdaptive, pool=adaptive_pool,
                                            interval=ADAPT_INTERVAL_S, wait_count=1)
         try:
@@ -136,12 +139,13 @@ class PoolCluster:
     def address_of(self, name: str) -> str:
         """The address of worker ``name``. A worker of the cluster's plan that is not
         connected at this moment (starting, or restarting under its nanny) is waited for
-        (``wait_for``); KeyError for a worker that left the plan."""
+        (``wait_for``); KeyError for a worker that left the plan, or left unasked from a
+        deployment that does not restart workers and is not back (``sync_events``)."""
         for waited in (False, True):
             for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
                 if str(info["name"]) == name:
                     return address
-            if waited or name not in self.cluster.worker_spec:
+            if waited or name not in self.cluster.worker_spec or name in self.left:
                 break
             self.wait_for([name])
         raise KeyError(f"worker {name!r} is not connected")
@@ -243,14 +247,18 @@ class PoolCluster:
         """Move the scheduler plugin's events into the ledger. A worker the periodic
         adaptive step started (the queue raised the target) is billed from its request; a
         worker that leaves without being retired (it crashed, or the batch system ended it)
-        stops billing when the scheduler saw it go; a batch job that ended leaves its pool
-        (the policy grows the pool again if it needs to), a crashed local worker is
-        restarted by its nanny at once, a new lifetime billed from then (its cold start
-        included, even if the run ends before it is back). A retired worker has left the
-        cluster's plan before it departs: its departure ends its billing only."""
-        ended = []
+        stops billing when the scheduler saw it go; a crashed local worker is restarted by
+        its nanny at once, a new lifetime billed from then (its cold start included, even if
+        the run ends before it is back). Where workers do not come back by themselves (batch
+        jobs), one that left unasked leaves its pool once it has not come back within Dask's
+        ``distributed.deploy.lost-worker-timeout`` (the policy grows the pool again if it
+        needs to): a nanny on a host that still answers restarts its worker (the stall watch
+        restarts a stalled one so), and closing that worker as a job that ended left a run
+        with no generation worker. A retired worker has left the cluster's plan before it
+        departs: its departure ends its billing only."""
         for kind, t, name, _ in self.client.run_on_scheduler(drain_events):
             if kind == "arrive":
+                self.left.pop(name, None)
                 if name not in self.ledger.running():
                     requested = self.cluster.replaced_at.pop(name, None)  # a lost one's
                     self.ledger.worker_started(name, pool_of(name), requested or
@@ -263,7 +271,12 @@ class PoolCluster:
                 if self.deployment.restarts_workers:
                     self.ledger.worker_started(name, pool_of(name), t)
                 else:
-                    ended.append(name)
+                    self.left[name] = t
+        grace = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        ended = [n for n, t in self.left.items() if time.time() - t > grace]
+        for name in ended:
+            del self.left[name]
+        ended = [n for n in ended if n in self.cluster.worker_spec]
         if ended:
             self.cluster.sync(self.cluster.scale_down, ended)
             if any(pool_of(n) == self.adaptive_pool for n in ended):
