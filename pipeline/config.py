@@ -160,6 +160,8 @@ class Config:
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
     agent_ca_file: str = ""  # PEM: the https agent service's only authority; "": the system's
+    # agent episodes update at lr x this (at 1, sync peaked by iteration 5, fell: docs/agents.md)
+    agent_lr_factor: float = 0.5
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     # episodes' credit (ops/algo/advantage.py): normalised among the group's same-index turns
@@ -341,6 +343,8 @@ class Config:
         if not 0 < self.rollback_lr_factor < 1:
             raise ConfigError(f"rollback_lr_factor = {self.rollback_lr_factor} must be in "
                               "(0, 1): a rollback goes on with a lower learning rate")
+        if not 0 < self.agent_lr_factor <= 1:
+            raise ConfigError(f"agent_lr_factor = {self.agent_lr_factor} must be in (0, 1]")
         if not 0 < self.off_policy_lr_factor <= 1:
             raise ConfigError(f"off_policy_lr_factor = {self.off_policy_lr_factor} must be in "
                               "(0, 1]: the modes other than sync update at lr x this (1: lr)")
@@ -516,9 +520,11 @@ class Config:
 
     @property
     def update_lr(self) -> float:
-        """The update's learning rate in this mode (before any rollback lowers it): ``lr`` in
-        sync, times ``off_policy_lr_factor`` in the modes that train on stale samples."""
-        return self.lr * (1.0 if self.mode == "sync" else self.off_policy_lr_factor)
+        """The update's learning rate (before any rollback lowers it): ``lr``, times
+        ``off_policy_lr_factor`` in the modes that train on stale samples and times
+        ``agent_lr_factor`` when agents play the episodes."""
+        return (self.lr * (1.0 if self.mode == "sync" else self.off_policy_lr_factor)
+                * (self.agent_lr_factor if self.agent else 1.0))
 
     @property
     def replays(self) -> bool:

@@ -105,9 +105,11 @@ def _train_in(run: RunDir, cfg: Config, progress: bool, log,
               on_metrics: Callable[[dict], None] | None, resume: bool) -> None:
     cfg = split_pools(run, cfg, log)
     if cfg.update_lr != cfg.lr:
+        factors = [f"{key} {getattr(cfg, key):g}" for key, applies in
+                   (("off_policy_lr_factor", cfg.mode != "sync"), ("agent_lr_factor", cfg.agent))
+                   if applies and getattr(cfg, key) != 1]
         log(f"{cfg.mode}: updates at learning rate {cfg.update_lr:.3g} (lr {cfg.lr:.3g} x "
-            f"off_policy_lr_factor {cfg.off_policy_lr_factor:g}); off_policy_lr_factor = 1 "
-            "keeps lr")
+            f"{' x '.join(factors)}); {' and '.join(f.split()[0] for f in factors)} = 1 keeps lr")
     parts = build_run(cfg, run, log)
     specs, sampler, ledger, scaling = parts.specs, parts.sampler, parts.ledger, parts.scaling
     heldout, weights = parts.heldout, parts.weights

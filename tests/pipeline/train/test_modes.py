@@ -209,6 +209,22 @@ def test_the_off_policy_modes_update_at_a_factor_of_lr(tmp_path):
     assert update_lr(mode="async", off_policy_lr_factor=1.0) == 4e-4
 
 
+def test_agent_episodes_update_at_a_factor_of_lr(tmp_path):
+    """Agents' episodes update at ``lr x agent_lr_factor`` (0.5 by default), times
+    ``off_policy_lr_factor`` too in the off-policy modes; 1 keeps ``lr``."""
+    from rlhfless.pipeline.durable.runs import RunDir
+    from rlhfless.pipeline.specs import make_specs
+
+    def update_lr(**kw) -> float:
+        cfg = Config(lr=4e-4, task="tally-tool", agent="tally-agent", **kw)
+        return make_specs(cfg, tmp_path, RunDir(tmp_path)).train.update.lr
+
+    assert update_lr() == 2e-4
+    assert update_lr(mode="async") == 1e-4
+    assert update_lr(agent_lr_factor=1.0) == 4e-4
+    assert update_lr(mode="async", agent_lr_factor=0.25, off_policy_lr_factor=1.0) == 1e-4
+
+
 def test_every_mode_runs_at_the_default_replay_age():
     """``replay_max_age = 0`` (the default) is the least age that replays anything: 2 in
     replay, ``2 * max_staleness + 1`` in async+replay (where 2 would replay nothing)."""
@@ -232,6 +248,8 @@ def test_every_mode_runs_at_the_default_replay_age():
     ({"mode": "replay", "replay_max_skips": 0}, ["replay_max_skips", ">= 1"]),
     ({"off_policy_lr_factor": 0}, ["off_policy_lr_factor = 0", "(0, 1]"]),
     ({"off_policy_lr_factor": 1.5}, ["off_policy_lr_factor = 1.5", "(0, 1]"]),
+    ({"agent_lr_factor": 0}, ["agent_lr_factor = 0", "(0, 1]"]),
+    ({"agent_lr_factor": 2}, ["agent_lr_factor = 2", "(0, 1]"]),
     ({"mode": "streaming"}, ["mode", "'sync', 'async', 'replay', 'async+replay'"]),
 ])
 def test_mode_knobs_are_checked(values, words):
