@@ -4,9 +4,9 @@ Each run trains the embedded tiny model with every key at its default except
 ``lora_rank`` / ``lora_alpha`` / ``lr`` (the adapters train alone, so they take a larger
 step than full weights) and ``backend`` (``--set`` overrides apply to both), evaluating the
 held-out prompts every ``--eval-every`` iterations. Per backend it prints the held-out
-curve, its start and end, the gain (end - start) and the run's wall seconds; then whether
-the two ends are within ``--end-within`` (0.05) and each gained at least ``--min-gain``
-(0.15). Backends run one after the other, ``hf`` first. Prints one JSON line.
+curve, its start and end, the gain (end - start), the run's wall seconds and the bytes each
+version was published as (least and most of ``weights_bytes``); then whether the two ends
+are within ``--end-within`` (0.05) and each gained at least ``--min-gain`` (0.15). Backends run one after the other, ``hf`` first. Prints one JSON line.
 
     python bench/lora_engines.py [--iterations 30] [--lora-rank 8] [--lr 5e-3]
                                  [--eval-every 5] [--set key=value ...]
@@ -29,10 +29,12 @@ BACKENDS = ("hf", "vllm")
 def one_run(overrides: list[str]) -> dict:
     started = time.perf_counter()
     run = train(load_config(overrides=overrides), progress=False, log=lambda _line: None)
-    curve = [(r["iteration"], r["heldout_accuracy"]) for r in run.metrics()
-             if "heldout_accuracy" in r]
+    records = run.metrics()
+    curve = [(r["iteration"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r]
+    published = [r["weights_bytes"] for r in records if r.get("event") == "iteration"]
     return {"curve": curve, "start": curve[0][1], "end": curve[-1][1],
-            "gain": curve[-1][1] - curve[0][1], "seconds": time.perf_counter() - started}
+            "gain": curve[-1][1] - curve[0][1], "seconds": time.perf_counter() - started,
+            "weights_bytes_per_version": [min(published), max(published)]}
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ class WeightsRef:
     # the URL store that holds this version (weight_store = an fsspec URL): ``path`` is then
     # the version's path under its URL, copied from there before loading
     remote: RemoteStore | None = None
+    nbytes: int = 0  # the version's bytes as published (its files); 0: not published by us
 
 
 def require_version(have: int, need: int, where: str, max_staleness: int = 0) -> None:

@@ -28,6 +28,7 @@ need a common file system, only the store.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,10 +62,14 @@ def publish_version(state: dict[str, torch.Tensor], store: str | RemoteStore | N
     from rlhfless.ops.engine.publish import publish_state, version_files
 
     if isinstance(store, RemoteStore):
-        return publish_files(*version_files(state, version, lora), with_keep(store, keep),
-                             version)
+        name, files = version_files(state, version, lora)
+        ref = publish_files(name, files, with_keep(store, keep), version)
+        return replace(ref, nbytes=files_bytes(files))
     if store is not None:
-        return publish_state(state, store, version, keep, lora)
+        ref = publish_state(state, store, version, keep, lora)
+        path = Path(ref.path)
+        return replace(ref, nbytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                       if path.is_dir() else path.stat().st_size)
     check_keep(keep)
     try:
         worker = get_worker()
@@ -77,7 +82,13 @@ def publish_version(state: dict[str, torch.Tensor], store: str | RemoteStore | N
     for held in list(_HELD):
         if held not in kept:
             del _HELD[held]
-    return WeightsRef(version, _HELD[version][0], holder=worker.address)
+    return WeightsRef(version, _HELD[version][0], holder=worker.address,
+                      nbytes=files_bytes(_HELD[version][1]))
+
+
+def files_bytes(files: dict[str, list]) -> int:
+    """The bytes of a version's files given as pieces (``publish.version_files``)."""
+    return sum(memoryview(piece).nbytes for pieces in files.values() for piece in pieces)
 
 
 def held_versions() -> list[int]:

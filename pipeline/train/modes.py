@@ -346,6 +346,7 @@ class ModeRunner:
                    "fresh_samples": len(fresh), "replayed_groups": len(job.replayed),
                    "replayed_samples": len(lag) - len(fresh),
                    "generated_by": job.weights.version,
+                   "weights_bytes": new_weights.nbytes,  # the version this update published
                    "staleness_mean": float(lag.mean()), "staleness_max": int(lag.max()),
                    **job.facts}
         timings = self.generation.after_update(update["update_seconds"],

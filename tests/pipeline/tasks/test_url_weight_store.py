@@ -98,6 +98,7 @@ def test_versions_go_whole_to_the_server_and_the_newest_stay(ftp, tmp_path):
 
     local = fetch(refs[3], tmp_path / "local")
     assert Path(local.path) == tmp_path / "local" / "v3.safetensors"
+    assert refs[3].nbytes == Path(local.path).stat().st_size  # the version's bytes published
     got = load_file(local.path)
     assert all(torch.equal(got[k], _shifted(3)[k]) for k in STATE)
 

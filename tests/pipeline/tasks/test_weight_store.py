@@ -47,6 +47,7 @@ def test_a_worker_fetches_the_version_another_process_holds(tmp_path):
         assert on(generator, held_versions) == []  # another process: nothing shared in memory
         local = on(generator, local_weights, refs[2])
         assert local.version == 3 and Path(local.path).name == "v3.safetensors"
+        assert refs[2].nbytes == Path(local.path).stat().st_size  # the bytes it holds
         got = on(generator, load_file, local.path)
         assert got.keys() == STATE.keys()
         assert all(torch.equal(got[k], _shifted(3)[k]) for k in STATE)

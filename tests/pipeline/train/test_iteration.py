@@ -98,6 +98,9 @@ def test_training_run_yields_every_sample_once(tiny_model_dir, tmp_path):
         assert set(table.column("policy_version").to_pylist()) == {it - 1}
         assert len(set(table.column("worker").to_pylist())) == 2  # both generation workers
     assert (run.weights / "v2.safetensors").exists()
+    # each version's bytes as published: the file the store holds (both kept: keep_weights 2)
+    assert [m["weights_bytes"] for m in iterations] == [
+        (run.weights / f"v{it}.safetensors").stat().st_size for it in (1, 2)]
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path):

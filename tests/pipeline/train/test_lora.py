@@ -108,6 +108,10 @@ def test_lora_run_on_two_ranks_publishes_and_checkpoints_adapters(tiny_model_dir
     run = train(cfg, progress=False, log=lambda *_: None).path
     published = from_peft_state(load_file(run / "weights" / "v2" / ADAPTER_FILE))
     assert published and all(is_adapter(n) for n in published)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (last,) = [r for r in records if r.get("event") == "iteration" and r["iteration"] == 2]
+    assert last["weights_bytes"] == sum(f.stat().st_size
+                                        for f in (run / "weights" / "v2").iterdir())
     assert any(t.abs().max() > 0 for n, t in published.items() if ".lora_B." in n)
     stored = zarr.open_group(find(run), mode="r")["trainer"]
     assert all(is_adapter(n) for n, _ in stored["model"].arrays())
