@@ -6,7 +6,8 @@ step than full weights) and ``backend`` (``--set`` overrides apply to both), eva
 held-out prompts every ``--eval-every`` iterations. Per backend it prints the held-out
 curve, its start and end, the gain (end - start), the run's wall seconds and the bytes each
 version was published as (least and most of ``weights_bytes``); then whether the two ends
-are within ``--end-within`` (0.05) and each gained at least ``--min-gain`` (0.15). Backends run one after the other, ``hf`` first. Prints one JSON line.
+are within ``--end-within`` (0.05) and each gained at least ``--min-gain`` (0.15). Backends
+run one after the other, ``hf`` first. Prints one JSON line.
 
     python bench/lora_engines.py [--iterations 30] [--lora-rank 8] [--lr 5e-3]
                                  [--eval-every 5] [--set key=value ...]
