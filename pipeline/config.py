@@ -157,6 +157,7 @@ class Config:
     agent: str = ""  # empty: no agent
     agent_timeout_s: float = 60.0  # per agent episode; over it ends the episode as an error
     agent_concurrency: int = 64  # agent episodes at once per generation worker (each shard)
+    agent_processes: int = 2  # processes a shard's agent episodes are spread over (in parallel)
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
     agent_ca_file: str = ""  # PEM: the https agent service's only authority; "": the system's
@@ -318,7 +319,7 @@ class Config:
         positive = ("iterations", "batch_prompts", "n_samples", "max_new_tokens", "gen_workers",
                     "gen_threads", "train_threads", "train_workers", "epochs", "micro_batch_tokens",
                     "heldout_prompts", "eval_every", "max_prompt_tokens", "max_turns",
-                    "max_turn_tokens", "max_episode_tokens", "agent_concurrency",
+                    "max_turn_tokens", "max_episode_tokens", "agent_concurrency", "agent_processes",
                     "emulate_train_gpus")
         for key in positive:
             if getattr(self, key) < 1:

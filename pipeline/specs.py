@@ -150,7 +150,8 @@ def agent_params(cfg: Config) -> AgentParams | None:
             raise ConfigError(f"agent_chat_template = {cfg.agent_chat_template!r} cannot be "
                               f"read: {err.strerror}") from None
     return AgentParams(BUILTIN_AGENTS.get(cfg.agent, cfg.agent), cfg.agent_timeout_s,
-                       cfg.agent_concurrency, template, cfg.agent_host, cfg.agent_service_ca())
+                       cfg.agent_concurrency, template, cfg.agent_host, cfg.agent_service_ca(),
+                       cfg.agent_processes)
 
 
 def load_prompt_sets(cfg: Config, model_path: Path,

@@ -4,14 +4,14 @@ token-exact.
 ``agent = "module:function"`` names a function ``agent(client, row, model) -> reward``: an
 ``openai.OpenAI`` client set up for its episode (the worker's endpoint, the episode's own
 key), the prompt's row (every dataset column, ``prompt_text`` among them) and the model
-name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in a child
-process (``agent_child.py``, one per shard, started when the previous shard ended so its
-imports are done when the episodes start; every episode on a thread of it, each under
-``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their requests from
-the engine in batches. ``agent = "http://host:port/path"`` (or ``https://``) is an agent
-service of the user's own instead: each episode is POSTed to it (``agent_http.py``) under
-the same limit and failure rules. What the episode becomes is built from the requests as the server
-recorded them, never from text:
+name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in child
+processes (``agent_process.py``: ``processes`` per shard, started when the previous shard
+ended so their imports are done when the episodes start; every episode on a thread of one,
+each under ``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their
+requests from the engine in batches. ``agent = "http://host:port/path"`` (or ``https://``)
+is an agent service of the user's own instead: each episode is POSTed to it
+(``agent_http.py``) under the same limit and failure rules. What the episode becomes is
+built from the requests as the server recorded them, never from text:
 
 * a **linear conversation** (each request's prompt ids start with the previous request's
   prompt ids and the sample it got) is one trajectory: the first prompt, then each sample's
@@ -33,18 +33,10 @@ beyond the model's, which the iteration record bills apart (``env_wait_worker_s`
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -57,6 +49,7 @@ from ..engine.protocol import GenerationBackend
 from ..engine.rows import expand_samples, rollouts_table, row_keys
 from .agent_binding import AGENT_HOSTS, endpoint_binding
 from .agent_http import check_agent_url, is_agent_url, post_episodes
+from .agent_process import run_in_processes
 
 if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported where an agent runs
     from .agent_server import AgentEndpoint, Call
@@ -68,10 +61,11 @@ _ENDPOINT: dict[str, AgentEndpoint] = {}  # this process's endpoint per agent_ho
 class AgentParams:
     agent: str  # "module:function", or an agent service's URL (agent_http.py)
     timeout_s: float = 60.0  # per episode, from its start
-    concurrency: int = 64  # episodes at once in the agent process
+    concurrency: int = 64  # episodes at once in the shard's agent processes
     chat_template: str | None = None  # None: the tokenizer's
     host: str = "loopback"  # where the endpoint listens: loopback or worker (agent_binding.py)
     service_ca: str | None = None  # PEM: the agent service's only authority (agent_http.py)
+    processes: int = 2  # agent processes a shard's episodes are spread over (agent_process.py)
 
     def __post_init__(self) -> None:
         if is_agent_url(self.agent):
@@ -81,8 +75,8 @@ class AgentParams:
                              "http(s):// URL")
         if self.host not in AGENT_HOSTS:
             raise ValueError(f"agent host = {self.host!r}: allowed {AGENT_HOSTS}")
-        if not self.timeout_s > 0 or self.concurrency < 1:
-            raise ValueError("agent timeout_s must be > 0 and concurrency >= 1")
+        if not self.timeout_s > 0 or self.concurrency < 1 or self.processes < 1:
+            raise ValueError("agent timeout_s must be > 0, concurrency and processes >= 1")
 
 
 @dataclass
@@ -231,91 +225,17 @@ def _plain(row: dict) -> dict:
 
 def _run_agents(params: AgentParams, server: AgentEndpoint, episodes: list[dict]) -> list[dict]:
     """Every episode's outcome (``{"reward"}`` or ``{"error"}``, with ``"seconds"``) from the
-    agent service, or from one agent process: it is killed once every episode should have
-    ended, and the process for the next shard is started then."""
+    agent service, or from the shard's agent processes (``agent_process.py``)."""
     if not episodes:
         return []
     shared = {"base_url": server.base_url, "ca_pem": server.binding.ca_pem,
               "model": server.model_name, "timeout_s": params.timeout_s}
+
+    def ended(i: int) -> None:
+        server.end_episode(episodes[i]["api_key"])
+
     if is_agent_url(params.agent):
-        return post_episodes(params.agent, shared, episodes, params.concurrency,
-                             lambda i: server.end_episode(episodes[i]["api_key"]),
+        return post_episodes(params.agent, shared, episodes, params.concurrency, ended,
                              params.service_ca)
-    job = shared | {"concurrency": params.concurrency, "episodes": episodes}
-    waves = math.ceil(len(episodes) / params.concurrency)
-    limit = params.timeout_s * waves + 30.0
-    outcomes: dict[int, dict] = {}
-    child = _agent_process(params.agent)
-    proc = child.proc
-
-    def read() -> None:
-        for line in proc.stdout:
-            out = json.loads(line)
-            i = out.pop("i")
-            outcomes[i] = out
-            server.end_episode(episodes[i]["api_key"])
-
-    try:
-        with contextlib.suppress(BrokenPipeError):  # a process that died: said below
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(limit)  # the child reports every episode within its limit
-    finally:
-        said = child.close()
-        _SPARE.append(_AgentProcess.start(params.agent))
-    missing = {"error": f"the agent process ended without this episode's result ({said})",
-               "seconds": 0.0}
-    return [outcomes.get(i, missing) for i in range(len(episodes))]
-
-
-@dataclass
-class _AgentProcess:
-    """A started ``agent_child`` process of one agent, waiting for its job on stdin."""
-
-    agent: str
-    proc: subprocess.Popen
-    stderr: IO[bytes]
-
-    @classmethod
-    def start(cls, agent: str) -> _AgentProcess:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        stderr = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "rlhfless.ops.rollouts.agent_child",
-                                 agent], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=stderr, env=env)
-        return cls(agent, proc, stderr)
-
-    def close(self) -> str:
-        """Kill it; the end of what it wrote on stderr."""
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):  # stdin's unsent bytes go nowhere
-                pipe.close()
-        self.stderr.seek(0)
-        said = " ".join(self.stderr.read().decode(errors="replace").split())[-300:]
-        self.stderr.close()
-        return said
-
-
-# The process the next shard's episodes run in, started when the last shard ended: its
-# imports (``openai``, the agent's module: about a second) overlap the worker's other work.
-_SPARE: list[_AgentProcess] = []
-
-
-def _agent_process(agent: str) -> _AgentProcess:
-    """A process for ``agent``'s episodes: the spare if it is of that agent and alive."""
-    spare = _SPARE.pop() if _SPARE else None
-    if spare is not None and spare.agent == agent and spare.proc.poll() is None:
-        return spare
-    if spare is not None:
-        spare.close()
-    return _AgentProcess.start(agent)
-
-
-@atexit.register
-def _close_spare() -> None:
-    while _SPARE:
-        _SPARE.pop().close()
+    return run_in_processes(params.agent, shared, episodes, params.concurrency,
+                            params.processes, ended)

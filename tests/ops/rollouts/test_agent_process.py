@@ -1,7 +1,8 @@
-"""The agent process of a shard is started when the shard before it ended: the next shard's
-episodes run in it (its imports already done), a spare of another agent is replaced, and a
-spare whose worker is gone (stdin closed without a job) exits by itself. The endpoint samples
-the requests of every running episode in one engine call."""
+"""The agent processes of a shard are started when the shard before it ended: the next
+shard's episodes run in them (their imports already done), spread over them, a spare of
+another agent is replaced, and a spare whose worker is gone (stdin closed without a job)
+exits by itself. The endpoint samples the requests of every running episode in one engine
+call."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from rlhfless.ops.engine.backend import HFBackend
 from rlhfless.ops.engine.engine_types import SamplingParams
-from rlhfless.ops.rollouts import agent
+from rlhfless.ops.rollouts import agent, agent_process
 from rlhfless.ops.rollouts.agent import AgentParams, run_agent_episodes
 
 SAMPLING = SamplingParams(max_new_tokens=4, seed=5)
@@ -30,29 +31,39 @@ def _shard(engine, make_prompts, name: str = "openai_agents:two_turns") -> set[f
     return set(table.column("env_reward").to_pylist())
 
 
-def test_the_next_shard_runs_in_the_process_started_when_the_last_one_ended(engine,
-                                                                          make_prompts):
+def test_the_next_shard_runs_in_the_processes_started_when_the_last_one_ended(engine,
+                                                                            make_prompts):
     name = "openai_agents:reports_its_process"
     _shard(engine, make_prompts, name)
-    [spare] = agent._SPARE
-    assert spare.agent == name and spare.proc.poll() is None
-    assert _shard(engine, make_prompts, name) == {float(spare.proc.pid)}  # ran in the spare
-    assert spare.proc.poll() is not None  # and it was closed after
-    [after] = agent._SPARE
-    assert after is not spare and after.proc.poll() is None
+    spares = list(agent_process.SPARES)
+    assert len(spares) == 2  # AgentParams.processes
+    assert all(s.agent == name and s.proc.poll() is None for s in spares)
+    # its two episodes ran one in each spare
+    assert _shard(engine, make_prompts, name) == {float(s.proc.pid) for s in spares}
+    assert all(s.proc.poll() is not None for s in spares)  # and they were closed after
+    after = agent_process.SPARES
+    assert len(after) == 2 and not {id(s) for s in after} & {id(s) for s in spares}
+    assert all(s.proc.poll() is None for s in after)
+
+
+def test_one_process_runs_every_episode_of_its_shard(engine, make_prompts):
+    name = "openai_agents:reports_its_process"
+    table, _ = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 3,
+                                  SAMPLING, AgentParams(name, processes=1))
+    assert len(set(table.column("env_reward").to_pylist())) == 1  # one process id
+    assert len(agent_process.SPARES) == 1  # and one started for the next shard
 
 
 def test_a_spare_of_another_agent_is_replaced(engine, make_prompts):
     _shard(engine, make_prompts)
-    [spare] = agent._SPARE
+    spares = list(agent_process.SPARES)
     _shard(engine, make_prompts, "openai_agents:branches")
-    assert spare.proc.poll() is not None
-    [after] = agent._SPARE
-    assert after.agent == "openai_agents:branches"
+    assert all(s.proc.poll() is not None for s in spares)
+    assert {s.agent for s in agent_process.SPARES} == {"openai_agents:branches"}
 
 
 def test_a_spare_exits_when_its_stdin_closes_without_a_job():
-    spare = agent._AgentProcess.start("openai_agents:two_turns")
+    spare = agent_process.AgentProcess.start("openai_agents:two_turns")
     spare.proc.stdin.close()
     assert spare.proc.wait(timeout=60) == 0
     spare.close()
