@@ -11,6 +11,11 @@ such as the trainer's update), and then:
 * ``"blip"``: the same, and the restore command ``seconds`` later;
 * ``"kill"``: SIGKILLs its process group, the nanny and the worker: the host powers off.
 
+A ``prefix`` ``"fetch-N"`` strikes instead as the worker (a trainer, ``weight_store =
+"cluster"``) answers the first fetch of policy version N: the request has arrived, and the
+reply goes out on the link just cut (``pipeline/tasks/weight_store.py``'s handler, wrapped).
+``TaskErrors`` records when a worker's task fails (a fetch that gave up, say).
+
 Each strike appends one JSON line to ``record`` (the time, the worker, the key, the action)
 before it acts, so the test knows when the fault began. The plugin travels to the workers
 by value (``cloudpickle.register_pickle_by_value``): the workers do not import the tests.
@@ -33,6 +38,7 @@ from rlhfless.ops.engine.progress import beats
 
 DECODE_WAIT_S = 30.0  # for the task's first decode step (engine load and prefill come first)
 ACTIONS = ("cut", "blip", "kill")
+FETCH = "fetch-"  # a prefix "fetch-N": as the worker answers the first fetch of version N
 
 
 class HostFault(WorkerPlugin):
@@ -50,6 +56,17 @@ class HostFault(WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.armed = str(worker.name) == self.worker_name
+        if self.armed and self.prefix.startswith(FETCH):
+            from rlhfless.pipeline.tasks import weight_store
+
+            serve = weight_store.serve_version  # what publish_version makes the handler
+
+            def serving(version: int) -> dict:
+                if self.armed and self.prefix == f"{FETCH}{version}":
+                    self.armed = False
+                    self._strike(self.prefix, beats())
+                return serve(version)
+            weight_store.serve_version = serving
 
     def transition(self, key, start: str, finish: str, **kwargs) -> None:
         if self.armed and finish == "executing" and str(key).startswith(self.prefix):
@@ -72,8 +89,26 @@ class HostFault(WorkerPlugin):
             subprocess.run(self.restore, check=True)
 
 
+class TaskErrors(WorkerPlugin):
+    """Appends ``{"time", "worker", "key"}`` to ``record`` as a task of a worker fails."""
+
+    name = "task-errors"
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+
+    def setup(self, worker) -> None:
+        self.worker_name = str(worker.name)
+
+    def transition(self, key, start: str, finish: str, **kwargs) -> None:
+        if finish == "error":
+            with open(self.record, "a") as out:
+                out.write(json.dumps({"time": time.time(), "worker": self.worker_name,
+                                      "key": str(key)}) + "\n")
+
+
 def read_strikes(record: Path) -> list[dict]:
-    """The strikes so far, in order."""
+    """The lines of a record (strikes, errors) so far, in order."""
     if not record.exists():
         return []
     return [json.loads(line) for line in record.read_text().splitlines()]

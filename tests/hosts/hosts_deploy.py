@@ -11,14 +11,18 @@ expected back (``restarts_workers = False``): a host cut off and declared lost, 
 leaves its pool, and closing a worker ends every process of its host.
 
 ``placement`` says which host runs which worker (``gen-0`` -> a host); a worker with no host
-is an error, since a pool cannot grow past the hosts a test gave it. ``deploy_on_hosts``
-makes ``train`` use it: every loaded module of the pipeline that took
-``deployment_from_config`` by name gets one that returns a ``HostsDeployment`` with the
-run's own TLS credentials (``make_security``, as the run would make them).
+is an error, since a pool cannot grow past the hosts a test gave it. The workers of the
+pools in ``unshared`` start in a mount namespace of their own in which the run directory is
+an empty file system but for its ``tls/`` (the run's credentials, which a site without a
+shared disk puts on each node): they see none of the run's files. ``deploy_on_hosts`` makes
+``train`` use it: every loaded module of the pipeline that took ``deployment_from_config``
+by name gets one that returns a ``HostsDeployment`` with the run's own TLS credentials
+(``make_security``, as the run would make them).
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,18 +64,32 @@ class HostWorker(ProcessInterface):
     """One worker (with its nanny) on one host; closing it ends every process there."""
 
     def __init__(self, scheduler: str, name: str, network: Network, host: Host,
-                 pool: Pool, security: Security | None, logs: Path) -> None:
+                 pool: Pool, security: Security | None, logs: Path,
+                 hidden_run: Path | None) -> None:
         super().__init__(scheduler, name)
         self.scheduler, self.name, self.network, self.host = scheduler, name, network, host
-        self.pool, self.security, self.logs = pool, security, logs
+        self.pool, self.security, self.logs, self.hidden_run = pool, security, logs, hidden_run
 
     async def start(self) -> None:
-        env = {"OMP_NUM_THREADS": str(self.pool.threads), **WORKER_ENV, **MALLOC_ENV}
+        env = {"OMP_NUM_THREADS": str(self.pool.threads), **WORKER_ENV, **MALLOC_ENV,
+               **self.pool.env}
         argv = ["env", *(f"{k}={v}" for k, v in env.items()),
                 *worker_argv(self.scheduler, self.name, self.pool, self.security,
                              self.logs / self.name)]
+        if self.hidden_run is not None:
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    self.hide_run(), "sh", *argv]
         self.network.spawn(self.host, argv, self.logs / f"{self.name}.log")
         await super().start()
+
+    def hide_run(self) -> str:
+        """The shell lines that hide the run directory but its ``tls/``, then run ``$@``."""
+        keep = self.logs / f"{self.name}-tls"
+        keep.mkdir(parents=True, exist_ok=True)
+        run, tls, kept = (shlex.quote(str(p)) for p in
+                          (self.hidden_run, self.hidden_run / "tls", keep))
+        return (f"mount --bind {tls} {kept} && mount -t tmpfs -o size=1m,mode=0700 run {run}"
+                f" && mkdir {tls} && mount --bind {kept} {tls} && exec \"$@\"")
 
     async def close(self) -> None:
         self.network.kill(self.host)
@@ -85,9 +103,10 @@ class HostsDeployment(Deployment):
     start_timeout_s = 300.0
 
     def __init__(self, network: Network, placement: dict[str, Host],
-                 security: Security | None, logs: Path) -> None:
+                 security: Security | None, logs: Path, run: Path,
+                 unshared: frozenset[str] = frozenset()) -> None:
         self.network, self.placement, self.security = network, placement, security
-        self.logs = logs
+        self.logs, self.run, self.unshared = logs, run, unshared
         self.local = LocalDeployment(network.driver_address, f"{network.driver_address}:0",
                                      security)
 
@@ -100,17 +119,20 @@ class HostsDeployment(Deployment):
         self.logs.mkdir(parents=True, exist_ok=True)
         return {"cls": HostWorker, "options": {
             "network": self.network, "host": self.placement[name], "pool": pool,
-            "security": self.security, "logs": self.logs}}
+            "security": self.security, "logs": self.logs,
+            "hidden_run": self.run if pool.name in self.unshared else None}}
 
     def describe(self, cluster, names: list[str]) -> str:
         return f"their logs are in {self.logs}"
 
 
 def deploy_on_hosts(monkeypatch, network: Network, placement: dict[str, Host],
-                    logs: Path) -> None:
-    """Runs started while ``monkeypatch`` holds put their workers on ``placement``'s hosts."""
+                    logs: Path, unshared: frozenset[str] = frozenset()) -> None:
+    """Runs started while ``monkeypatch`` holds put their workers on ``placement``'s hosts,
+    those of the pools ``unshared`` without the run directory."""
     def on_hosts(cfg, run_path) -> HostsDeployment:
-        return HostsDeployment(network, placement, make_security(cfg.security, run_path), logs)
+        return HostsDeployment(network, placement, make_security(cfg.security, run_path), logs,
+                               Path(run_path).resolve(), unshared)
 
     users = [m for name, m in sys.modules.items() if name.startswith("rlhfless.pipeline.")
              and getattr(m, "deployment_from_config", None) is deploy.deployment_from_config

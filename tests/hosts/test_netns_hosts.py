@@ -1,7 +1,7 @@
 """The hosts harness itself: hosts reach the driver only through their links, a cut link
 drops their traffic until restored, and nothing of a network outlives it: not its processes
 (a nanny's child too), namespaces or links, whether the test passed, failed, or its process
-was killed before it could clean up."""
+was killed before it could clean up, nor a scheduler a run left listening on its address."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import sys
 import time
 
 import pytest
+from distributed import Scheduler
+from distributed.utils import LoopRunner
+from leftovers import end_listeners, listeners
 from netns_hosts import Network, ip
 
 CONNECT = ("import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
@@ -72,6 +75,28 @@ def test_a_network_whose_process_was_killed_is_removed_by_the_next(tmp_path):
     with Network():  # its first act: the orphans go
         left = [n for n in ip("netns", "list").split() if n.startswith(f"rlhfless-{tag}-")]
     assert left == []
+
+
+def test_a_scheduler_left_listening_on_the_network_is_closed(network):
+    def on(address: str) -> bool:
+        return address == network.driver_address
+
+    async def scheduler() -> Scheduler:
+        return await Scheduler(host=network.driver_address,
+                               dashboard_address=f"{network.driver_address}:0")
+
+    # a run's scheduler left running (its test failed or hung), and a bare socket
+    loop = LoopRunner(asynchronous=False)
+    loop.start()
+    bare = socket.create_server((network.driver_address, 0))
+    try:
+        left = loop.run_sync(scheduler)
+        assert len(listeners(on)) == 3  # the scheduler, its dashboard, the socket
+        assert len(end_listeners(on)) == 3
+        assert listeners(on) == [] and left.status.name == "closed"
+    finally:
+        bare.close()
+        loop.stop()
 
 
 def pid_alive(pid: int) -> bool:
