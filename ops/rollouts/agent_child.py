@@ -1,16 +1,18 @@
 """The agent process: ``python -m rlhfless.ops.rollouts.agent_child <module:function>``.
 
-Started before its shard runs (``agent.py`` keeps one started while the worker does other
-work), it imports the agent and ``openai`` and makes the TLS context every episode's client
-shares, then waits for one JSON job on stdin: the endpoint's base URL and model name, the
-authority of its HTTPS certificate (``ca_pem``: None over plain HTTP), the time limit, how
-many episodes at once, and per episode its bearer key and row. It runs every episode on a
-thread with an ``openai.OpenAI`` client of its own and prints one JSON line per episode as
-it ends: ``{"i", "reward", "seconds"}`` or ``{"i", "error", "seconds"}``. An
-episode over its time limit is reported as an error then and abandoned; the process exits
-(``os._exit``) once every episode is reported, which ends any thread still running, and at
-once when stdin closes without a job (its worker is gone). The agent is called as
-``agent(client, row, model)`` and returns its reward, a finite number.
+Started before its shard runs (``agent_process.py`` keeps processes started while the worker
+does other work), it imports the agent and ``openai`` and makes the TLS context every
+episode's client shares, then serves jobs, one JSON line each on stdin: the endpoint's base
+URL and model name, the authority of its HTTPS certificate (``ca_pem``: None over plain
+HTTP), the time limit, how many episodes at once, and per episode its bearer key and row. It
+runs every episode on a thread with an ``openai.OpenAI`` client of its own and prints one
+JSON line per episode as it ends: ``{"i", "reward", "seconds"}`` or ``{"i", "error",
+"seconds"}``. An episode over its time limit is reported as an error then and abandoned.
+Once every episode is reported it prints ``{"ready": true}`` and waits for the next job (its
+imports and warm client kept), unless an episode was abandoned: then it exits
+(``os._exit``), which ends any thread still running. It exits when stdin closes (its worker
+is gone). The agent is called as ``agent(client, row, model)`` and returns its reward, a
+finite number; a module's state lasts from one job to the next, as in a service.
 """
 
 from __future__ import annotations
@@ -62,13 +64,11 @@ def _warm(openai, httpx) -> None:
     reply.choices[0].message.model_dump(exclude_none=True)
 
 
-def main() -> None:
-    loaded = _load(sys.argv[1])
-    text = sys.stdin.read()
-    if not text.strip():
-        os._exit(0)
-    job = json.loads(text)
+def run_job(job: dict, loaded) -> bool:
+    """Every episode of ``job``, one JSON line each as it ends; whether every episode's
+    thread has finished (none abandoned over its limit, so the process may take another)."""
     lock, reported, started, all_reported = threading.Lock(), set(), {}, threading.Event()
+    abandoned = []
 
     def report(i: int, **out) -> None:
         with lock:
@@ -83,7 +83,7 @@ def main() -> None:
     if isinstance(loaded, str):  # every episode fails alike: said once per episode
         for i in range(len(job["episodes"])):
             report(i, error=loaded)
-        os._exit(0)
+        return False
     agent, openai, httpx, tls = loaded
     tls = agent_trust(job["ca_pem"]) if job["ca_pem"] else tls  # HTTPS: the run's CA alone
 
@@ -107,8 +107,21 @@ def main() -> None:
     while not all_reported.wait(0.05):
         now = time.monotonic()
         for i, t in list(started.items()):
-            if now - t > job["timeout_s"]:
+            if now - t > job["timeout_s"] and i not in reported:
+                abandoned.append(i)
                 report(i, error=f"TimeoutError: the episode ran over {job['timeout_s']:g} s")
+    pool.shutdown(wait=not abandoned)
+    return not abandoned
+
+
+def main() -> None:
+    loaded = _load(sys.argv[1])
+    for line in sys.stdin:  # one job per line, until the worker closes stdin
+        if not line.strip():
+            continue
+        if not run_job(json.loads(line), loaded):
+            break  # threads left running: ended with the process
+        print(json.dumps({"ready": True}), flush=True)  # free for the next job
     sys.stdout.flush()
     os._exit(0)
 

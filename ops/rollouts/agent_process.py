@@ -3,11 +3,13 @@
 ``run_in_processes`` spreads a shard's episodes over ``processes`` children, contiguous
 runs of them each, every child running its episodes on threads, ``concurrency`` at once
 over all of them (so an agent's Python, the openai client's ~2 ms of CPU per request among
-it, runs on as many cores as there are children: with one, a wave of 64 first requests left
+it, runs on as many cores as there are children: with one, a wave of 16 first requests left
 the process one GIL apart while the engine waited for the last). Each child is started
-before its shard runs (when the shard before it ended, so its imports are done), is given
-its job on stdin, reports one JSON line per episode on stdout, and is killed once every
-episode it ran should have ended; the next shard's children are started then.
+before the first shard that needs it, so its imports are done, and is given each job on a
+line of its stdin; it reports one JSON line per episode on stdout. A child that finished
+every episode of its job waits for the next shard's (``SPARES``); one that abandoned an
+episode over its limit exits, and one that does not report in time is killed, and a new
+one is started in its place when the shard ends.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class AgentProcess:
         return said
 
 
-# The processes the next shard's episodes run in, started when the last shard ended: their
-# imports (``openai``, the agent's module: about a second) overlap the worker's other work.
+# The processes the next shard's episodes run in: those of the last shard that finished their
+# job, and new ones started when it ended, whose imports (``openai``, the agent's module:
+# about a second of CPU) overlap the worker's other work.
 SPARES: list[AgentProcess] = []
 
 
@@ -88,7 +91,7 @@ def run_in_processes(agent: str, shared: dict, episodes: list[dict], concurrency
     bounds = [round(j * len(episodes) / k) for j in range(k + 1)]
     at_once = math.ceil(concurrency / k)
     outcomes: dict[int, dict] = {}
-    said: list[str] = []
+    ready: list[AgentProcess] = []
 
     def run(child: AgentProcess, first: int, mine: list[dict]) -> None:
         waves = math.ceil(len(mine) / at_once)
@@ -97,32 +100,37 @@ def run_in_processes(agent: str, shared: dict, episodes: list[dict], concurrency
         def read() -> None:
             for line in child.proc.stdout:
                 out = json.loads(line)
+                if out.get("ready"):  # every episode's thread finished: free for another job
+                    ready.append(child)
+                    return
                 i = first + out.pop("i")
                 outcomes[i] = out
                 ended(i)
 
         with contextlib.suppress(BrokenPipeError):  # a process that died: said below
-            child.proc.stdin.write(json.dumps(job).encode())
-            child.proc.stdin.close()
+            child.proc.stdin.write(json.dumps(job).encode() + b"\n")
+            child.proc.stdin.flush()
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(shared["timeout_s"] * waves + 30.0)  # every episode within its limit
-        said.append(child.close())
 
     children = [take_process(agent) for _ in range(k)]
     runners = [threading.Thread(target=run, args=(child, lo, episodes[lo:hi]), daemon=True)
                for child, lo, hi in zip(children, bounds, bounds[1:])]
+    said = []
     try:
         for runner in runners:
             runner.start()
         for runner in runners:
             runner.join()
     finally:
-        for child in children:  # a runner that raised left its child running
-            if child.proc.poll() is None:
+        close_spares()  # those this shard did not take: k wait for the next one
+        for child in children:
+            if any(child is r for r in ready) and child.proc.poll() is None:
+                SPARES.append(child)  # its imports done, its threads finished
+            else:
                 said.append(child.close())
-        close_spares()  # those this shard did not take: at most k wait for the next one
-        SPARES.extend(AgentProcess.start(agent) for _ in range(k))
+        SPARES.extend(AgentProcess.start(agent) for _ in range(k - len(SPARES)))
     missing = {"error": "the agent process ended without this episode's result "
                         f"({' '.join(s for s in said if s)})", "seconds": 0.0}
     return [outcomes.get(i, missing) for i in range(len(episodes))]

@@ -1,8 +1,10 @@
-"""The agent processes of a shard are started when the shard before it ended: the next
-shard's episodes run in them (their imports already done), spread over them, a spare of
+"""The agent processes of a shard are started before it (their imports done) and the
+episodes are spread over them; a process that finished every episode of its shard runs the
+next shard's too, one that abandoned an episode over its limit is replaced, a spare of
 another agent is replaced, and a spare whose worker is gone (stdin closed without a job)
 exits by itself. The endpoint samples the requests of every running episode in one engine
-call."""
+call.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +33,7 @@ def _shard(engine, make_prompts, name: str = "openai_agents:two_turns") -> set[f
     return set(table.column("env_reward").to_pylist())
 
 
-def test_the_next_shard_runs_in_the_processes_started_when_the_last_one_ended(engine,
-                                                                            make_prompts):
+def test_the_next_shard_runs_in_the_processes_of_the_last_one(engine, make_prompts):
     name = "openai_agents:reports_its_process"
     _shard(engine, make_prompts, name)
     spares = list(agent_process.SPARES)
@@ -40,10 +41,24 @@ def test_the_next_shard_runs_in_the_processes_started_when_the_last_one_ended(en
     assert all(s.agent == name and s.proc.poll() is None for s in spares)
     # its two episodes ran one in each spare
     assert _shard(engine, make_prompts, name) == {float(s.proc.pid) for s in spares}
-    assert all(s.proc.poll() is not None for s in spares)  # and they were closed after
-    after = agent_process.SPARES
-    assert len(after) == 2 and not {id(s) for s in after} & {id(s) for s in spares}
+    after = agent_process.SPARES  # which finished their jobs and wait for the next one
+    assert sorted(id(s) for s in after) == sorted(id(s) for s in spares)
     assert all(s.proc.poll() is None for s in after)
+
+
+def test_a_process_that_abandoned_an_episode_is_replaced(engine, make_prompts):
+    agent_process.close_spares()
+    ran = agent_process.AgentProcess.start("openai_agents:hangs")  # the one the shard takes
+    agent_process.SPARES.append(ran)
+    started = time.perf_counter()
+    table, stats = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 1,
+                                      SAMPLING, AgentParams("openai_agents:hangs",
+                                                            timeout_s=1.0, processes=1))
+    assert time.perf_counter() - started < 20.0  # not the agent's 30 s
+    assert stats.env_errors == 1 and "TimeoutError" in table.column("env_error")[0].as_py()
+    assert ran.proc.poll() is not None  # its thread still ran: the process ended
+    (spare,) = agent_process.SPARES
+    assert spare is not ran and spare.proc.poll() is None
 
 
 def test_one_process_runs_every_episode_of_its_shard(engine, make_prompts):
@@ -51,7 +66,7 @@ def test_one_process_runs_every_episode_of_its_shard(engine, make_prompts):
     table, _ = run_agent_episodes(engine, make_prompts(["Items: fig pear\nAnswer:"]), 3,
                                   SAMPLING, AgentParams(name, processes=1))
     assert len(set(table.column("env_reward").to_pylist())) == 1  # one process id
-    assert len(agent_process.SPARES) == 1  # and one started for the next shard
+    assert len(agent_process.SPARES) == 1  # and it waits for the next shard
 
 
 def test_a_spare_of_another_agent_is_replaced(engine, make_prompts):
