@@ -134,11 +134,6 @@ def engine_at(spec: EngineSpec, weights: WeightsRef) -> int:
     return generation_engine(spec, weights)[0].version
 
 
-def version_bytes(ref: WeightsRef) -> int:
-    path = Path(ref.path)
-    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
-
-
 def one_store(client: Client, workers: list[str], model: Path, store: str | None,
               lora: LoraSpec | None, versions: int, first: int) -> dict:
     """Publish ``versions`` versions on the trainer and fetch each on the generator."""
@@ -158,8 +153,7 @@ def one_store(client: Client, workers: list[str], model: Path, store: str | None
         if got != version:
             raise RuntimeError(f"the generator's engine holds v{got}, not v{version}")
         fetch.append(seconds)
-        if store is not None:
-            nbytes = version_bytes(ref)
+        nbytes = ref.nbytes
     return {"publish_s": min(publish), "fetch_s": min(fetch), "bytes": nbytes,
             "engine_cold_start_s": cold_s}
 
