@@ -57,6 +57,26 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The embedded architecture, redrawn and EOS-prone (``tests/model_support.py``), saved
+    as a model directory, so that greedy decoding ends at different lengths per prompt and a
+    pause leaves a tail."""
+    from model_support import eos_prone, redraw
+    from transformers import AutoTokenizer
+
+    from rlhfless.ops.toy.tinymodel import build_model
+
+    out = tmp_path_factory.mktemp("eos-model")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    recipe = TinyRecipe()
+    model = eos_prone(redraw(build_model(recipe, tok), recipe.seed), tok)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "train.jsonl").write_text((tiny_model_dir / "train.jsonl").read_text())
+    return out
+
+
+@pytest.fixture(scope="session")
 def finished_run(tiny_model_dir, tmp_path_factory):
     """A real two-iteration run of the elastic policy on a LocalCluster: metrics, rollouts,
     decisions, ledger, dashboard record, and every tracker's local store (W&B offline, MLflow

@@ -52,24 +52,6 @@ def tail_support():
     return sys.modules["tail_support"]
 
 
-@pytest.fixture(scope="module")
-def eos_model_dir(tiny_model_dir, tmp_path_factory):
-    """The EOS-prone model of ``tests/pipeline/conftest.py``: a pause leaves a tail."""
-    from model_support import eos_prone, redraw
-    from transformers import AutoTokenizer
-
-    from rlhfless.ops.toy.tinymodel import TinyRecipe, build_model
-
-    out = tmp_path_factory.mktemp("eos-model")
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    recipe = TinyRecipe()
-    model = eos_prone(redraw(build_model(recipe, tok), recipe.seed), tok)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "train.jsonl").write_text((tiny_model_dir / "train.jsonl").read_text())
-    return out
-
-
 class MovingOncePolicy(ScalingPolicy):
     """The elastic policy, except that the first paused tail moves to another worker by KV
     transfer (as ``test_kv_elastic.py``'s); later tails resume where they are."""
