@@ -5,13 +5,14 @@ token-exact.
 ``openai.OpenAI`` client set up for its episode (the worker's endpoint, the episode's own
 key), the prompt's row (every dataset column, ``prompt_text`` among them) and the model
 name. ``run_agent_episodes`` runs one episode per (prompt, sample) of a shard in child
-processes (``agent_process.py``: ``processes`` per shard, started when the previous shard
-ended so their imports are done when the episodes start; every episode on a thread of one,
-each under ``timeout_s``), while the worker's endpoint (``agent_server.py``) serves their
-requests from the engine in batches. ``agent = "http://host:port/path"`` (or ``https://``)
-is an agent service of the user's own instead: each episode is POSTed to it
-(``agent_http.py``) under the same limit and failure rules. What the episode becomes is
-built from the requests as the server recorded them, never from text:
+processes (``agent_process.py``: ``processes`` per shard, kept from one shard to the next
+or started ahead, so their imports are done when the episodes start; every episode on a
+thread of one, each under ``timeout_s``), while the worker's endpoint
+(``agent_server.py``) serves their requests from the engine in batches. ``agent =
+"http://host:port/path"`` (or ``https://``) is an agent service of the user's own instead:
+each episode is POSTed to it (``agent_http.py``) under the same limit and failure rules.
+What the episode becomes is built from the requests as the server recorded them, never
+from text:
 
 * a **linear conversation** (each request's prompt ids start with the previous request's
   prompt ids and the sample it got) is one trajectory: the first prompt, then each sample's
