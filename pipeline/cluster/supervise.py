@@ -42,8 +42,9 @@
 ``dask_bounds(worker_ttl_s, connect_timeout_s)`` is the Dask config the run sets in the
 driver (its scheduler, client and local workers) and ``dask_environment`` the same as the
 variables every worker starts with (``Pool.env``; a worker on another host reads it only
-there): the worker TTL, and every process's comm timeouts (a connection that does not open,
-or an open one whose peer stops acknowledging, fails after ``connect_timeout_s``).
+there): the worker TTL, every process's comm timeouts (a connection that does not open,
+or an open one whose peer stops acknowledging, fails after ``connect_timeout_s``), and no
+memory pause.
 
 ``drain_stalls(pc)`` hands the driver the records of the workers restarted since the last
 call (the loop writes them to metrics.jsonl as ``event = "stall"`` and says one line each).
@@ -203,18 +204,23 @@ def supervise(pc, factor: float, floor_s: float, ttl_s: float) -> None:
     pc.client.register_plugin(StallWatch(factor, floor_s, ttl_s))
 
 
-def dask_bounds(worker_ttl_s: float, connect_timeout_s: float) -> dict[str, str]:
+def dask_bounds(worker_ttl_s: float, connect_timeout_s: float) -> dict[str, str | bool]:
     """Dask's config of a run's bounds on a silent host: the scheduler's worker TTL, and
     how long a connection may take to open (``connect``) or, open, go unacknowledged
-    (``tcp``: the socket's TCP_USER_TIMEOUT and keepalive) before it fails."""
+    (``tcp``: the socket's TCP_USER_TIMEOUT and keepalive) before it fails. And no worker
+    pauses at a share of its memory limit: a paused worker starts no task and, an engine's
+    memory being none of Dask's data to spill, never resumes (a LoRA run on vLLM's CPU
+    build waited for ever so, its workers held at Dask's 80 %); one past the limit's
+    terminate share is still restarted by its nanny, its tasks run again."""
     return {"distributed.scheduler.worker-ttl": f"{worker_ttl_s:g}s",
             "distributed.comm.timeouts.connect": f"{connect_timeout_s:g}s",
-            "distributed.comm.timeouts.tcp": f"{connect_timeout_s:g}s"}
+            "distributed.comm.timeouts.tcp": f"{connect_timeout_s:g}s",
+            "distributed.worker.memory.pause": False}
 
 
-def dask_environment(config: Mapping[str, str]) -> dict[str, str]:
+def dask_environment(config: Mapping[str, str | bool]) -> dict[str, str]:
     """``config`` (dotted Dask keys) as the ``DASK_*`` variables a new process reads."""
-    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
             for key, value in config.items()}
 
 

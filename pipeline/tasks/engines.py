@@ -27,21 +27,20 @@ def worker_name() -> str:
         return "local"
 
 
-# the share of a worker's memory limit kept free below Dask's pause fraction for what
-# generation allocates after a CPU engine's load (an agent endpoint's requests among it: at
-# a tenth, the agent task's workers crossed the pause on vLLM's CPU build)
-ENGINE_RAM_MARGIN = 0.2
+# the share of a worker's memory limit a CPU engine's process may hold once loaded: what
+# generation allocates after the load (an agent endpoint's requests, LoRA's buffers) goes on
+# top (at 0.7, the agent task's workers on vLLM's CPU build crossed Dask's 80 % pause)
+ENGINE_RAM_SHARE = 0.6
 
 
 def engine_ram_bytes() -> int | None:
     """The bytes a CPU engine's worker process may hold once its engine is loaded: its Dask
-    memory limit times the pause fraction less ``ENGINE_RAM_MARGIN``. A worker past its
-    pause fraction starts no task, and the run would wait for it forever. None outside a
-    worker, or where the worker has no limit or never pauses."""
+    memory limit times ``ENGINE_RAM_SHARE``. None outside a worker, or where the worker has
+    no limit."""
     try:
         memory = get_worker().memory_manager
     except ValueError:
         return None
-    if not memory.memory_limit or not memory.memory_pause_fraction:
+    if not memory.memory_limit:
         return None
-    return int(memory.memory_limit * (memory.memory_pause_fraction - ENGINE_RAM_MARGIN))
+    return int(memory.memory_limit * ENGINE_RAM_SHARE)
