@@ -161,8 +161,7 @@ class Config:
     agent_chat_template: str = ""  # a Jinja chat template file for the endpoint; "": tokenizer's
     agent_host: str = "loopback"  # endpoint on loopback, or worker: its Dask address (TLS: HTTPS)
     agent_ca_file: str = ""  # PEM: the https agent service's only authority; "": the system's
-    # agent episodes update at lr x this (at 1, sync peaked by iteration 5, fell: docs/agents.md)
-    agent_lr_factor: float = 0.5
+    agent_lr_factor: float = 0.5  # agents' episodes update at lr x this (docs/agents.md)
     # algorithm
     algorithm: str = "grpo"  # advantage estimator: grpo (group z-score) or rloo
     # episodes' credit (ops/algo/advantage.py): normalised among the group's same-index turns
